@@ -1,0 +1,27 @@
+"""triptych: a multimodal-first LLM serving engine.
+
+Public API: ``LLM`` (offline batch jobs), ``SamplingParams``, ``EngineConfig``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from triptych.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from triptych.config import EngineConfig
+    from triptych.llm import LLM
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import triptych` stays cheap for the CLI and for worker processes.
+    if name == "LLM":
+        from triptych.llm import LLM
+        return LLM
+    if name == "EngineConfig":
+        from triptych.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(name)

@@ -1,0 +1,47 @@
+"""SamplingParams: vLLM's field names, so existing scripts and configs carry over."""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How to pick tokens for one request. Validated once, in ``verify()``."""
+
+    n: int = 1  # completions per prompt (each sampled independently)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
+    seed: int | None = None  # per-request generator seed: same seed, same tokens
+    max_tokens: int | None = 16  # output tokens at most; None = up to max_model_len
+    min_tokens: int = 0  # EOS / stop token ids ignored until this many tokens
+    stop: list[str] | None = None  # stop strings (not included in the text)
+    stop_token_ids: list[int] | None = None  # extra token ids that end the request
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one)
+    skip_special_tokens: bool = True  # drop special tokens from the output text
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.verify()
+
+    def verify(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

@@ -1,0 +1,33 @@
+"""Paged self-attention for the language model: write new K/V, attend over the cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from triptych.engine.forward_context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V in the layer's paged cache, then attends causally.
+
+    q: [T, H, D], k/v: [T, Hkv, D] for the flat batch described by the forward context.
+    """
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        meta, ops = ctx.attn, ctx.ops
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+        return ops.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale)
