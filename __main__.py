@@ -1,0 +1,3 @@
+from triptych.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""`triptych` command line: serve | chat | make-tiny | bench.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and
+``run(args)``; they are imported lazily so `triptych --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+import typing
+from typing import Any
+
+from triptych.config import EngineConfig
+
+# subcommand -> module holding add_parser/run
+SUBCOMMANDS = {
+    "serve": "triptych.api.serve_cmd",
+    "chat": "triptych.chat_cmd",
+    "make-tiny": "triptych.models.tiny",
+    "bench": "triptych.bench",
+}
+
+_HELP_SKIP = {"model"}
+
+
+def _field_help() -> dict[str, str]:
+    """Knob help text = the field comments of EngineConfig (one source of truth)."""
+    import inspect
+    src = inspect.getsource(EngineConfig)
+    out = {}
+    for line in src.splitlines():
+        line = line.strip()
+        if ":" in line and "#" in line and not line.startswith(("#", "def", '"')):
+            name = line.split(":")[0].strip()
+            out[name] = line.split("#", 1)[1].strip()
+    return out
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """Every EngineConfig knob as --kebab-case, defaults read from the dataclass."""
+    helps = _field_help()
+    hints = typing.get_type_hints(EngineConfig)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, default=None,
+                   help="checkpoint directory (HF format: config.json, *.safetensors, tokenizer)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _HELP_SKIP:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flag = "--" + f.name.replace("_", "-")
+        h = f"{helps.get(f.name, '')} (default: {default})"
+        hint = hints[f.name]
+        if hint is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
+        elif hint is int:
+            g.add_argument(flag, type=int, default=default, help=h)
+        elif hint is float:
+            g.add_argument(flag, type=float, default=default, help=h)
+        elif f.name == "limit_mm_per_prompt":
+            g.add_argument(flag, type=str, default=None,
+                           help=h + ". JSON, e.g. '{\"image\": 4, \"video\": 1}'")
+        elif f.name in ("max_model_len", "num_kv_blocks"):
+            g.add_argument(flag, type=int, default=default, help=h)
+        else:
+            g.add_argument(flag, type=str, default=default, help=h)
+
+
+def engine_config_from_args(args: argparse.Namespace, **override: Any) -> EngineConfig:
+    kw = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    if kw.get("limit_mm_per_prompt") is None:
+        kw.pop("limit_mm_per_prompt", None)
+    kw.update(override)
+    return EngineConfig(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(
+        prog="triptych", description="triptych: a multimodal-first LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    modules = {}
+    for name, modname in SUBCOMMANDS.items():
+        # Only the chosen subcommand's module is imported (others just list a stub).
+        if argv and argv[0] == name:
+            modules[name] = importlib.import_module(modname)
+            modules[name].add_parser(sub)
+        else:
+            sub.add_parser(name, help=f"(see `triptych {name} --help`)")
+    args = parser.parse_args(argv)
+    mod = modules.get(args.command)
+    if mod is None:
+        parser.error(f"unknown command {args.command}")
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

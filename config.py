@@ -1,0 +1,86 @@
+"""EngineConfig: every knob in one place, with vLLM's names, validated once.
+
+Parts of the engine receive the few values they need, never this whole object; derived
+values (number of KV blocks, resolved dtype) are computed once by the engine and passed
+explicitly, never written back here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """'4GiB' / '512MiB' / '1.5G' / 1073741824 -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse size {value!r}; use e.g. '2GiB' or '512MiB'")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine. Field comments are the --help text of the CLI."""
+
+    model: str  # checkpoint directory (HF format: config.json, *.safetensors, tokenizer)
+    tokenizer: str | None = None  # tokenizer directory; defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, checkpoint dtype on CUDA)
+    device: str = "auto"  # auto | cpu | cuda (auto: cuda when available)
+    seed: int = 0  # seed of the default sampling generator
+    max_model_len: int | None = None  # prompt + output tokens per request (default: min(checkpoint max, 8192))
+    max_num_seqs: int = 128  # requests running in one step at most
+    max_num_batched_tokens: int = 2048  # tokens (prefill + decode) computed in one step at most
+    block_size: int = 16  # tokens per KV cache block
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use (weights + KV)
+    kv_cache_memory: int | str = "1GiB"  # CPU: bytes of KV cache ('2GiB', '512MiB')
+    num_kv_blocks: int | None = None  # override the computed number of KV blocks (testing, tight memory)
+    enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
+    enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
+    tensor_parallel_size: int = 1  # ranks sharing each layer's weights
+    data_parallel_size: int = 1  # engine replicas
+    mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks
+    mm_processor_cache_gb: float = 4.0  # processor cache size (0 disables)
+    mm_processor_cache_type: str = "lru"  # lru (P0 keys, P1 data) | shm (shared-memory ring)
+    encoder_cache_size: int = 16384  # vision embedding rows kept for reuse (repeated images skip the tower)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
+    allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
+    attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
+    disable_log_stats: bool = False  # no periodic throughput / cache log lines
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit_mm_per_prompt, str):
+            object.__setattr__(self, "limit_mm_per_prompt", json.loads(self.limit_mm_per_prompt))
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ValueError(f"mm_encoder_tp_mode must be 'weights' or 'data', got {self.mm_encoder_tp_mode!r}")
+        if self.mm_processor_cache_type not in ("lru", "shm"):
+            raise ValueError(f"mm_processor_cache_type must be 'lru' or 'shm', got {self.mm_processor_cache_type!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        parse_size(self.kv_cache_memory)
+        for k, v in self.limit_mm_per_prompt.items():
+            if k not in ("image", "video") or not isinstance(v, int) or v < 0:
+                raise ValueError(f"limit_mm_per_prompt: bad entry {k!r}: {v!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        unknown = set(kwargs) - set(cls.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {sorted(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,36 @@
+"""Prefix-cache block hashes: a chain over full blocks of token ids and images.
+
+    hash(block i) = H(hash(block i-1), token ids of block i, mm hashes overlapping block i)
+
+Image placeholder tokens are the same for every image, so without the mm hashes two
+different images with identical text would share KV (vLLM #20261): every item whose
+placeholder span overlaps a block's token range goes into that block's hash.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from triptych.engine.request import Request
+
+_enc = msgspec.msgpack.Encoder()
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], mm_hashes: list[str]) -> bytes:
+    return hashlib.sha256(_enc.encode((parent or b"", token_ids, mm_hashes))).digest()
+
+
+def extend_block_hashes(request: Request, block_size: int) -> None:
+    """Append hashes for the request's full blocks that have none yet.
+
+    Only blocks of tokens whose ids are known are hashed (prompt + sampled outputs).
+    """
+    tokens = request.all_token_ids
+    num_full = len(tokens) // block_size
+    hashes = request.block_hashes
+    items = request.mm_items
+    for i in range(len(hashes), num_full):
+        s, e = i * block_size, (i + 1) * block_size
+        mm = [it.mm_hash for it in items if it.offset < e and it.end > s]
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[s:e], mm))

@@ -1,0 +1,60 @@
+"""Incremental detokenization and stop strings, per request.
+
+Decoding only the new ids breaks multi-byte characters and BPE merges, so each step
+decodes a short window ``ids[prefix_offset:]`` and emits what extends past the already
+emitted ``ids[prefix_offset:read_offset]``; a trailing U+FFFD means a character is still
+incomplete and the text waits for the next token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None,
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop_str_in_output
+        self.ids: list[int] = []
+        # A small window of prompt ids gives the first output token its left context.
+        self._ctx = list(prompt_token_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self._ctx)
+        self.text = ""
+        self._emitted = 0  # chars of self.text already returned by pop_delta
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one id; return the stop string if the text now contains one."""
+        self.ids.append(token_id)
+        all_ids = self._ctx + self.ids
+        prefix = self._decode(all_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(all_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(all_ids)
+            start = max(0, len(self.text) - self._max_stop)
+            self.text += new
+            return self._find_stop(start)
+        return None
+
+    def _find_stop(self, start: int) -> str | None:
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0:
+                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                return s
+        return None
+
+    def pop_delta(self, finished: bool) -> str:
+        """New text since the last call; holds back a tail that may begin a stop string."""
+        hold = 0 if finished else max(self._max_stop - 1, 0)
+        end = max(self._emitted, len(self.text) - hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,47 @@
+"""Results handed back to callers, shaped like vLLM's so existing scripts port over."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the n completions
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # per output token, when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: int | str | None = None  # the stop token id / string that ended it
+    text_delta: str = ""  # text added since the previous output of this request (streaming)
+    token_ids_delta: list[int] = field(default_factory=list)  # ids added since then
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine rejected the request mid-flight

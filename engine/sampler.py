@@ -1,0 +1,74 @@
+"""Sampler: logits of the last token of each finished chunk -> next token ids.
+
+Greedy rows take argmax; random rows apply temperature, top-k, top-p and draw with the
+request's own generator (seeded requests are reproducible whatever else is batched).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from triptych.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[dict[int, float] | None]  # per row: top-k (+ sampled) token -> logprob
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.default_generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.default_generator
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, request_ids: list[str],
+                 params: list[SamplingParams]) -> SamplerOutput:
+        # logits: [N, vocab] float32
+        logits = logits.float()
+        n = logits.shape[0]
+        out = logits.argmax(dim=-1)
+        for i, sp in enumerate(params):
+            if not sp.greedy:
+                out[i] = self._sample_row(logits[i], sp, self._generator(request_ids[i], sp))
+        token_ids = out.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * n
+        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)
+            k = max(params[i].logprobs for i in want)
+            top_v, top_i = lp.topk(max(k, 1), dim=-1)
+            for row, i in enumerate(want):
+                kk = params[i].logprobs
+                d = dict(zip(top_i[row, :kk].tolist(), top_v[row, :kk].tolist()))
+                d[token_ids[i]] = float(lp[row, token_ids[i]])
+                logprobs[i] = d
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
+        row = row / sp.temperature
+        if sp.top_k > 0 and sp.top_k < row.numel():
+            kth = torch.topk(row, sp.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_l, idx = torch.sort(row, descending=True)
+            probs = torch.softmax(sorted_l, dim=-1)
+            # Keep tokens whose preceding mass is below top_p (the first always stays).
+            drop = (probs.cumsum(-1) - probs) >= sp.top_p
+            sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+            row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_l)
+        probs = torch.softmax(row, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,96 @@
+"""LLM: the offline entry point for batch jobs (OCR pipelines, evaluations).
+
+    from triptych import LLM, SamplingParams
+    llm = LLM(model="/path/to/checkpoint", max_num_seqs=64)
+    outs = llm.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///data/page1.png"}},
+        {"type": "text", "text": "Transcribe this page."}]}],
+        SamplingParams(temperature=0.0, max_tokens=512))
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from triptych.config import EngineConfig
+from triptych.engine.llm_engine import LLMEngine
+from triptych.engine.outputs import RequestOutput
+from triptych.engine.sampling_params import SamplingParams
+
+PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}}
+
+
+class LLM:
+    def __init__(self, model: str, **knobs: Any) -> None:
+        from triptych.api.media import MediaLimits
+        from triptych.api.processor import InputProcessor
+
+        self.config = EngineConfig.from_kwargs(model=model, **knobs)
+        self.engine = LLMEngine(self.config)
+        self.processor = InputProcessor(
+            model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
+            media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
+            max_model_len=self.engine.max_model_len)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        processed = [self._process(i, lambda p=p: self.processor.process_prompt(p))
+                     for i, p in enumerate(prompts)]
+        return self._run(processed, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        processed = [self._process(i, lambda c=c: self.processor.process_chat(
+            c, add_generation_prompt=add_generation_prompt)) for i, c in enumerate(convs)]
+        return self._run(processed, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _process(index: int, fn: Any) -> Any:
+        # All prompts are processed before any is queued: a bad one fails the call cleanly.
+        try:
+            return fn()
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from e
+
+    def _run(self, processed: list[Any], params: Any, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(processed)
+        if len(plist) != len(processed):
+            raise ValueError(f"{len(plist)} sampling params for {len(processed)} prompts")
+        ids = []
+        try:
+            for pp, sp in zip(processed, plist):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, pp.prompt_token_ids, sp, pp.mm_items, pp.prompt_text)
+                ids.append(rid)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        out_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+        bar.close()
+        return [results[r] for r in ids]

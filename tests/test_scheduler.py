@@ -1,0 +1,126 @@
+"""Scheduler at tiny sizes: budget, decodes first, chunking, preemption order."""
+from __future__ import annotations
+
+from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.request import Request, RequestStatus
+from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.scheduler import Scheduler
+
+
+def make(num_blocks=16, block_size=4, budget=16, seqs=8, chunked=True, caching=False):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(kv, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=64,
+                     enable_chunked_prefill=chunked)
+
+
+def req(rid: str, n: int, max_tokens: int = 8, first: int = 0) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens,
+                                                                      ignore_eos=True))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {r.request_id: token for r, n in out.scheduled
+               if r.num_computed_tokens + n == r.num_tokens}
+    s.update_from_output(out, sampled)
+    return [(r.request_id, n) for r, n in out.scheduled], out
+
+
+def test_budget_and_chunked_prefill():
+    s = make(budget=10)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 9))
+    got, _ = run_step(s)
+    assert got == [("a", 6), ("b", 4)]  # b chunked to the remaining budget
+    got, _ = run_step(s)
+    assert got == [("a", 1), ("b", 5)]  # a's decode first, then b's remaining prompt
+    assert s.requests["b"].num_output_tokens == 1
+    s.kv.check_integrity()
+
+
+def test_decodes_before_partial_prefills():
+    s = make(budget=8)
+    s.add_request(req("long", 20))
+    run_step(s)  # long: 8 of 20
+    s.add_request(req("short", 2))
+    got, _ = run_step(s)  # long: 16 of 20; short admitted? budget used by long
+    assert got == [("long", 8)]
+    got, _ = run_step(s)
+    assert got == [("long", 4), ("short", 2)]
+    got, _ = run_step(s)
+    assert got[0][1] == 1 and got[1][1] == 1  # both decoding now
+
+
+def test_no_chunking_waits_for_budget():
+    s = make(budget=8, chunked=False)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 6))
+    got, _ = run_step(s)
+    assert got == [("a", 6)]  # b does not fit whole and waits
+    got, _ = run_step(s)
+    assert got == [("a", 1), ("b", 6)]
+
+
+def test_max_num_seqs():
+    s = make(seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2))
+    got, _ = run_step(s)
+    assert [g[0] for g in got] == ["r0", "r1"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_takes_latest_admitted_and_recomputes():
+    # 4 blocks of 4 tokens; two requests of 7 tokens take 2 blocks each; growth forces preemption.
+    s = make(num_blocks=4, block_size=4, budget=32)
+    s.add_request(req("a", 7, max_tokens=6))
+    s.add_request(req("b", 7, max_tokens=6, first=100))
+    run_step(s)  # both prefilled: 7 tokens computed, 1 sampled
+    run_step(s)  # token 8 of each still fits in 2 blocks
+    got, out = run_step(s)  # token 9 needs a 3rd block: b (admitted last) is preempted
+    assert out.preempted_ids == ["b"]
+    assert got == [("a", 1)]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.num_preemptions_total == 1 and s.waiting[0] is b
+    s.kv.check_integrity()
+    # Run to completion: b recomputes prompt + its output so far, then continues.
+    for _ in range(30):
+        if not s.num_unfinished:
+            break
+        run_step(s)
+    assert not s.num_unfinished
+    assert b.num_output_tokens == 6 and b.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_stop_token_and_max_tokens():
+    s = make()
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=5, stop_token_ids=[42]), eos_token_id=0)
+    s.add_request(r)
+    run_step(s, token=5)
+    run_step(s, token=42)
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 42
+    r2 = Request("b", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=0)
+    s.add_request(r2)
+    run_step(s, token=5)
+    run_step(s, token=5)
+    assert r2.status == RequestStatus.FINISHED_LENGTH and r2.output_token_ids == [5, 5]
+    r3 = Request("c", [1, 2, 3], SamplingParams(max_tokens=9), eos_token_id=0)
+    s.add_request(r3)
+    run_step(s, token=0)
+    assert r3.status == RequestStatus.FINISHED_STOPPED
+    assert s.kv.pool.num_free_blocks == 16
+
+
+def test_prefilled_request_enters_running():
+    s = make(num_blocks=8)
+    r = req("x", 8)
+    # Blocks 3 and 5 hold the imported prompt KV.
+    r.num_computed_tokens = 8
+    r.output_token_ids.append(11)  # the first token, sampled by the prefill worker
+    s.kv.pool.touch([s.kv.pool.blocks[3], s.kv.pool.blocks[5]])
+    s.add_prefilled_request(r, [3, 5])
+    got, _ = run_step(s)
+    assert got == [("x", 1)]
+    assert s.kv.block_ids("x")[:2] == [3, 5]
