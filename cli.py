@@ -15,12 +15,12 @@ from typing import Any
 
 from triptych.config import EngineConfig
 
-# subcommand -> module holding add_parser/run
+# subcommand -> (module holding add_parser/run, one-line help)
 SUBCOMMANDS = {
-    "serve": "triptych.api.serve_cmd",
-    "chat": "triptych.chat_cmd",
-    "make-tiny": "triptych.models.tiny",
-    "bench": "triptych.bench",
+    "serve": ("triptych.api.serve_cmd", "OpenAI-compatible HTTP server (chat, completions, metrics)"),
+    "chat": ("triptych.chat_cmd", "interactive multi-turn chat in the terminal"),
+    "make-tiny": ("triptych.models.tiny", "write a tiny random HF-format checkpoint (tests, demos)"),
+    "bench": ("triptych.bench", "benchmarks: offline throughput vs HF, serving load"),
 }
 
 _HELP_SKIP = {"model"}
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     modules = {}
-    for name, modname in SUBCOMMANDS.items():
+    for name, (modname, help_text) in SUBCOMMANDS.items():
         # Only the chosen subcommand's module is imported (others just list a stub).
         if argv and argv[0] == name:
             modules[name] = importlib.import_module(modname)
             modules[name].add_parser(sub)
         else:
-            sub.add_parser(name, help=f"(see `triptych {name} --help`)")
+            sub.add_parser(name, help=f"{help_text} (see `triptych {name} --help`)")
     args = parser.parse_args(argv)
     mod = modules.get(args.command)
     if mod is None:

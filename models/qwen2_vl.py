@@ -1,0 +1,255 @@
+"""Qwen2-VL and Qwen2.5-VL for the paged engine: vision tower + Qwen2 decoder with M-RoPE.
+
+The language model runs on a flat batch of tokens from many sequences; attention reads the
+batch layout (slot mapping, block tables, cu_seqlens) from the forward context. Both
+architectures share the decoder; only the vision tower differs.
+
+Parameter names (what ``load_weights`` expects after mapping checkpoint names):
+    visual.*                    vision tower (see vision.py)
+    language_model.embed_tokens / layers.N.* / norm
+    lm_head.weight              absent when tie_word_embeddings
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from triptych.kernels import get_ops
+from triptych.models.attention import PagedAttention
+from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+
+logger = logging.getLogger("triptych.models")
+
+
+def rope_config(text: Any) -> tuple[float, list[int]]:
+    """(rope_theta, mrope_section) from a text config (transformers 5 keeps both in
+    ``rope_parameters``; older configs had ``rope_scaling`` + ``rope_theta``)."""
+    rp = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only default M-RoPE)")
+    theta = rp.get("rope_theta", getattr(text, "rope_theta", 1000000.0))
+    section = list(rp.get("mrope_section", [16, 24, 24]))  # HF's default when absent
+    return float(theta), section
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = text.num_attention_heads, text.num_key_value_heads
+        # NOTE: HF derives head_dim from hidden_size even if the config carries head_dim
+        self.head_dim = text.hidden_size // self.num_heads
+        h, d = text.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        self.ops = ops
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+                mrope_section: list[int]) -> torch.Tensor:
+        # x: [T, hidden]; positions: [3, T]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_mrope(q, k, positions, cos_sin_cache, mrope_section)
+        o = self.attn(q, k, v)  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    """Weight holder; the op (optionally fused with the residual add) comes from ``ops``."""
+
+    def __init__(self, dim: int, eps: float, ops: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(text, layer_idx, ops)
+        self.mlp = Qwen2MLP(text.hidden_size, text.intermediate_size)
+        self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin_cache: torch.Tensor, mrope_section: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Residual stream carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin_cache, mrope_section)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen2TextModel(nn.Module):
+    def __init__(self, text: Any, ops: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen2DecoderLayer(text, i, ops) for i in range(text.num_hidden_layers)])
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+                mrope_section: list[int]) -> torch.Tensor:
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, cos_sin_cache, mrope_section)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+
+_VISION = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen25VisionTransformer}
+
+
+class Qwen2VLForCausalLM(nn.Module):
+    """Qwen2-VL / Qwen2.5-VL (picked by ``config.model_type``) on flat token batches."""
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 attention_backend: str = "torch") -> None:
+        super().__init__()
+        if config.model_type not in _VISION:
+            raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(_VISION)}")
+        text = getattr(config, "text_config", None) or config
+        if getattr(text, "use_sliding_window", False):
+            logger.warning("use_sliding_window is set; like HF's sdpa path, it is ignored")
+        self.config = config
+        self.ops = get_ops(attention_backend)
+        self.rope_theta, self.mrope_section = rope_config(text)
+        self.head_dim = text.hidden_size // text.num_attention_heads
+        if sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 "
+                             f"= {self.head_dim // 2}")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Build on the meta device: no random init, no fp32 copy of a big model on the host.
+        with torch.device("meta"):
+            self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
+            self.language_model = Qwen2TextModel(text, self.ops)
+            if not self.tie_word_embeddings:
+                self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.to(dtype=dtype)
+        self.to_empty(device=device)  # parameters are garbage until load_weights
+        self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,
+                                                               device), persistent=False)
+
+    def _rope_cache(self, max_pos: int, device: str) -> torch.Tensor:
+        """[max_pos, head_dim] fp32: cos of position*inv_freq in [:D/2], sin in [D/2:].
+
+        NOTE: M-RoPE ids can exceed the token index (Qwen2.5-VL spaces video frames by
+        tokens_per_second * second_per_grid_t); an id >= max_position_embeddings is out of
+        range here, so the engine must reject such prompts (position + delta < max_pos)."""
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq[None, :]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.visual.merge
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]."""
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flat batch; positions [3, T] int64.
+
+        Must run inside ``forward_context`` (attention reads the batch layout from it)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.language_model(positions, x, self.cos_sin_cache, self.mrope_section)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
+             else self.lm_head.weight)
+        return F.linear(hidden, w).float()
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                      ) -> list[torch.Tensor]:
+        """Vision embeddings, one [t*h*w / merge**2, hidden] tensor per item (images or videos)."""
+        emb = self.visual(pixel_values, grid_thw)
+        sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
+        return list(emb.split(sizes))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in by name (hub layout or transformers-5 layout).
+
+        Raises ValueError on a shape mismatch or when a parameter stays unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for ckpt_name, tensor in weights:
+            name = map_checkpoint_name(ckpt_name)
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding serves as the head
+            param = params.get(name) if name is not None else None
+            if param is None:
+                unexpected.append(ckpt_name)
+                continue
+            if name.endswith("patch_embed.proj.weight") and tensor.dim() == 5:
+                tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> linear weight
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}"
+                                 f" but the model expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs (hub "
+                             f"names; transformers-5 saves use model.language_model./model.visual.)"
+                             f": {', '.join(hub_name(n) for n in missing)}")
+        if unexpected:
+            logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s",
+                           len(unexpected), ", ".join(unexpected[:10]))
+        return loaded
+
+
+# checkpoint prefix -> our prefix; first match wins (transformers-5 names before hub names)
+_PREFIXES = (
+    ("model.language_model.", "language_model."),
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("model.", "language_model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def hub_name(name: str) -> str:
+    """The hub/transformers-4 checkpoint name of one of our parameters (for messages)."""
+    if name.startswith("language_model."):
+        return "model." + name[len("language_model."):]
+    return name
+
+
+def map_checkpoint_name(name: str) -> str | None:
+    """Our parameter name for a checkpoint tensor name, or None if it is not ours."""
+    for src, dst in _PREFIXES:
+        if name.startswith(src):
+            return dst + name[len(src):]
+    return None
