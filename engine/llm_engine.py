@@ -60,6 +60,7 @@ class ModelShape:
     tokens_per_second: float | None
     image_token_id: int
     video_token_id: int
+    vocab_size: int
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
@@ -75,6 +76,7 @@ class ModelShape:
             tokens_per_second=getattr(vision, "tokens_per_second", None),
             image_token_id=hf.image_token_id,
             video_token_id=hf.video_token_id,
+            vocab_size=text.vocab_size,
         )
 
 
@@ -82,6 +84,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         from triptych.models import compute_mrope_positions, load_model
 
+        if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
+            raise ValueError("tensor_parallel_size / data_parallel_size > 1 are not supported yet "
+                             "by the colocated engine; run one engine per device for now")
         self.config = config
         self.device = resolve_device(config.device)
         self._mrope = compute_mrope_positions
@@ -89,7 +94,7 @@ class LLMEngine:
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-        self.dtype = resolve_dtype(config.dtype, self.device, getattr(hf, "torch_dtype", None))
+        self.dtype = resolve_dtype(config.dtype, self.device, getattr(hf, "dtype", None))
         self.model, self.hf_config = load_model(config.model, self.dtype, str(self.device), backend)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.max_model_len = config.max_model_len or min(self.shape.max_position_embeddings, 8192)
@@ -147,11 +152,20 @@ class LLMEngine:
         """Queue a processed prompt. Raises ValueError on bad input; nothing else changes."""
         mm_items = mm_items or []
         validate_request(prompt_token_ids, mm_items, self.shape, self.max_model_len,
-                         len(self.tokenizer) if self.tokenizer is not None else None)
+                         self.shape.vocab_size)
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         positions, delta = self._mrope(len(prompt_token_ids), mm_items,
                                        self.shape.spatial_merge_size, self.shape.tokens_per_second)
+        # Video frame spacing can push M-RoPE positions past the token count (and past
+        # the rotary table): refuse rather than index out of range later.
+        n = len(prompt_token_ids)
+        last = min(self.max_model_len, n + (params.max_tokens or self.max_model_len)) - 1
+        max_pos = max(int(positions.max()), last + delta)
+        if max_pos >= self.shape.max_position_embeddings:
+            raise ValueError(f"the prompt's M-RoPE positions reach {max_pos}, beyond the model's "
+                             f"{self.shape.max_position_embeddings} positions; use a shorter "
+                             "video (fewer frames) or a lower max_model_len")
         children = []
         for i in range(params.n):
             sp = params
