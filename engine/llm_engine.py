@@ -148,8 +148,12 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    mm_items: list[MMItem] | None = None, prompt: str | None = None) -> None:
-        """Queue a processed prompt. Raises ValueError on bad input; nothing else changes."""
+                    mm_items: list[MMItem] | None = None, prompt: str | None = None,
+                    hand_off_after_prefill: bool = False) -> None:
+        """Queue a processed prompt. Raises ValueError on bad input; nothing else changes.
+
+        ``hand_off_after_prefill``: stop after the first token and keep the prompt's KV
+        blocks for ``export_kv`` (a prefill worker)."""
         mm_items = mm_items or []
         validate_request(prompt_token_ids, mm_items, self.shape, self.max_model_len,
                          self.shape.vocab_size)
@@ -176,7 +180,8 @@ class LLMEngine:
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}",
                           list(prompt_token_ids), sp, mm_items,
                           eos_token_id=self.tokenizer.eos_token_id,
-                          mrope_positions=positions, mrope_delta=delta)
+                          mrope_positions=positions, mrope_delta=delta,
+                          hand_off_after_prefill=hand_off_after_prefill)
             children.append(req)
         self.outputs.add(request_id, prompt, children, [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
@@ -185,6 +190,52 @@ class LLMEngine:
         for req in children:
             self.scheduler.add_request(req)
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def export_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """KV of a handed-off request, per layer ``[num_blocks, block_size, Hkv, D]`` each,
+        then release its blocks (the copy is the transfer's end)."""
+        ids = [b.block_id for b in self.kv.handed_off.get(request_id, [])]
+        if not ids:
+            raise KeyError(f"no handed-off KV for request {request_id!r}")
+        idx = torch.tensor(ids, device=self.device)
+        out = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.runner.kv_caches]
+        self.kv.release_blocks(request_id)
+        return out
+
+    def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                       params: SamplingParams, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                       mm_items: list[MMItem] | None = None) -> None:
+        """Admit a request whose prompt KV was computed elsewhere (a decode worker).
+
+        ``kv`` is what ``export_kv`` returned; ``first_token`` the prefill worker's sample."""
+        if params.n != 1:
+            raise ValueError("imported requests carry one completion (n=1)")
+        mm_items = [MMItem(it.modality, it.mm_hash, it.offset, it.length, it.grid_thw, None,
+                           it.second_per_grid_t) for it in (mm_items or [])]
+        validate_request(prompt_token_ids, mm_items, self.shape, self.max_model_len,
+                         self.shape.vocab_size)
+        n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
+        if len(kv) != self.shape.num_layers or any(
+                k.shape != (n_blocks, *self.runner.kv_caches[0][0].shape[1:]) for k, _ in kv):
+            raise ValueError("imported KV does not match this model's cache layout")
+        if not self.kv.pool.can_allocate(n_blocks):
+            raise RuntimeError("no free KV blocks for the imported request; retry later")
+        positions, delta = self._mrope(len(prompt_token_ids), mm_items,
+                                       self.shape.spatial_merge_size, self.shape.tokens_per_second)
+        req = Request(request_id, list(prompt_token_ids), params, mm_items,
+                      eos_token_id=self.tokenizer.eos_token_id, mrope_positions=positions,
+                      mrope_delta=delta, num_computed_tokens=len(prompt_token_ids))
+        req.output_token_ids.append(first_token)
+        blocks = self.kv.pool.allocate(n_blocks)
+        idx = torch.tensor([b.block_id for b in blocks], device=self.device)
+        for (kc, vc), (k, v) in zip(self.runner.kv_caches, kv):
+            kc.index_copy_(0, idx, k.to(kc.device, kc.dtype))
+            vc.index_copy_(0, idx, v.to(vc.device, vc.dtype))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                       params.skip_special_tokens, params.include_stop_str_in_output)
+        detok.add_token(first_token)
+        self.outputs.add(request_id, None, [req], [detok])
+        self.scheduler.add_prefilled_request(req, [b.block_id for b in blocks])
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -35,6 +35,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5  # client went away / aborted
     FINISHED_ERROR = 6  # bad input found inside the engine
+    FINISHED_HANDED_OFF = 7  # left after its first token; its KV blocks go to a decode worker
 
     @property
     def finished(self) -> bool:
@@ -42,7 +43,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "error", 7: "handoff"}.get(int(self))
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token / string that finished it
     error: str | None = None
     first_token_time: float | None = None
+    hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
 
     @property
     def num_prompt_tokens(self) -> int:

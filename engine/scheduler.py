@@ -55,13 +55,15 @@ class Scheduler:
         """Admit a request whose prompt KV already sits in ``block_ids`` (KV import)."""
         assert request.num_computed_tokens == request.num_prompt_tokens
         blocks = [self.kv.pool.blocks[i] for i in block_ids]
+        assert all(b.ref_cnt > 0 for b in blocks), "imported blocks must be allocated first"
         self.kv.req_blocks[request.request_id] = blocks
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request and free its blocks (abort, stop string, error)."""
+        """End a request and free its blocks (abort, stop string, error); a hand-off
+        keeps them, held by the KV manager until ``kv.release_blocks``."""
         if request.finished:
             return
         request.status = status
@@ -69,7 +71,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        if status == RequestStatus.FINISHED_HANDED_OFF:
+            self.kv.take_blocks(request)
+        else:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
     @property
@@ -161,6 +166,12 @@ class Scheduler:
         return produced
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        status = self._stop_status(req, tok)
+        if status is None and req.hand_off_after_prefill and req.num_output_tokens == 1:
+            return RequestStatus.FINISHED_HANDED_OFF
+        return status
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and tok == req.eos_token_id:

@@ -124,3 +124,16 @@ def test_prefilled_request_enters_running():
     got, _ = run_step(s)
     assert got == [("x", 1)]
     assert s.kv.block_ids("x")[:2] == [3, 5]
+
+
+def test_hand_off_after_first_token_keeps_blocks():
+    s = make(num_blocks=8)
+    r = req("p", 6)
+    r.hand_off_after_prefill = True
+    s.add_request(r)
+    run_step(s, token=9)
+    assert r.status == RequestStatus.FINISHED_HANDED_OFF and r.output_token_ids == [9]
+    assert s.kv.handed_off["p"] and s.kv.pool.num_free_blocks == 6  # still held
+    s.kv.release_blocks("p")
+    assert s.kv.pool.num_free_blocks == 8
+    s.kv.check_integrity()
