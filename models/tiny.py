@@ -1,0 +1,185 @@
+"""`triptych make-tiny`: a real HF-format Qwen2-VL / Qwen2.5-VL checkpoint with random weights.
+
+Tests and demos need checkpoints, and no model hub is reachable: this writes config.json,
+model.safetensors (HF's own model class, random init under a seed), a byte-level BPE
+tokenizer trained here with `tokenizers` (Qwen2-VL special tokens, ChatML template) and
+the image-processor config. HF's Auto classes load the directory offline.
+
+Snag: HF's torchvision-backed processors (the "fast" image processor, Qwen2VLVideoProcessor,
+and so AutoProcessor) need torchvision, which does not import beside the CPU torch wheel.
+`AutoImageProcessor` falls back to the PIL image processor, which triptych uses for
+images; videos are preprocessed by triptych itself (api/video.py), so nothing needs
+torchvision. The video settings live in video_preprocessor_config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+# ChatML with Qwen2-VL's vision placeholders; a system turn is added when none is given.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] in ('video', 'video_url') %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+Describe this image in detail. What is written on this page? Transcribe the text.
+The invoice total is 42.50 dollars, due on the first of March. Please read the receipt.
+In the photo a cat sits on a red chair next to a window; outside it is raining.
+Compare the two images and tell me what changed. Count the people in the picture.
+Tables, charts and handwritten notes are common in scanned documents and forms.
+Hello! How can I help you today? I am a helpful assistant that can see images.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " '
+Video frames show a ball rolling across a green field while a dog chases it.
+Une phrase en français, eine deutsche Zeile, una frase en español, 日本語のテキスト.
+"""
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    lines = [ln.strip() for ln in _CORPUS.strip().splitlines()]
+    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size - len(SPECIAL_TOKENS), 300),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tk.train_from_iterator(lines * 4, trainer)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token=None,
+                                  model_max_length=32768)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny(arch: str, out_dir: str, *, seed: int = 0, hidden_size: int = 64,
+              num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+              intermediate_size: int | None = None, vision_depth: int = 2,
+              vision_embed_dim: int = 32, vision_heads: int = 2, vocab_size: int = 1024,
+              model_vocab_size: int | None = None, init_std: float | None = None,
+              max_position_embeddings: int = 8192) -> str:
+    """Write a random-weight checkpoint of ``arch`` (qwen2_vl | qwen2_5_vl) to ``out_dir``.
+
+    ``vocab_size`` sizes the trained tokenizer; ``model_vocab_size`` (>= it) the embedding,
+    as real checkpoints pad their vocab. ``init_std`` defaults to 0.15 for tiny widths so
+    different images really change greedy outputs (HF's 0.02 gives near-uniform attention).
+    """
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if arch not in ("qwen2_vl", "qwen2_5_vl"):
+        raise ValueError(f"unknown arch {arch!r}: use qwen2_vl or qwen2_5_vl")
+    head_dim = hidden_size // num_heads
+    if head_dim % 4 or hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size / num_heads must be a multiple of 4 and num_heads a "
+                         "multiple of num_kv_heads")
+    os.makedirs(out_dir, exist_ok=True)
+    tok = _train_tokenizer(vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = max(model_vocab_size or 0, len(tok))
+    std = init_std if init_std is not None else (0.15 if hidden_size <= 256 else 0.02)
+    half = head_dim // 2
+    t_sec = half // 4
+    section = [t_sec, (half - t_sec) // 2, half - t_sec - (half - t_sec) // 2]
+    text = dict(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                intermediate_size=intermediate_size or int(hidden_size * 2.6875) // 8 * 8,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+                rope_scaling={"type": "mrope", "mrope_section": section},
+                rope_theta=10000.0 if hidden_size > 256 else 100.0, initializer_range=std,
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True)
+    common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], initializer_range=std,
+                  tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
+                  eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    if arch == "qwen2_vl":
+        vision = dict(depth=vision_depth, embed_dim=vision_embed_dim, hidden_size=hidden_size,
+                      num_heads=vision_heads, mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, initializer_range=std)
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        full = [i for i in range(vision_depth) if (i + 1) % max(vision_depth // 2, 1) == 0]
+        vision = dict(depth=vision_depth, hidden_size=vision_embed_dim,
+                      intermediate_size=vision_embed_dim * 2, out_hidden_size=hidden_size,
+                      num_heads=vision_heads, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=56, fullatt_block_indexes=full,
+                      tokens_per_second=2, initializer_range=std)
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    cfg.architectures = [cls.__name__]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE}, f, indent=2)
+    # 224x224 images keep their size (256 patches); tiny ones are resized up to 56x56.
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=256 * 28 * 28).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
+        json.dump({"min_pixels": 56 * 56, "max_pixels": 64 * 28 * 28, "fps": 2.0,
+                   "max_frames": 16, "temporal_patch_size": 2, "patch_size": 14,
+                   "merge_size": 2}, f, indent=2)
+    return out_dir
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "make-tiny", help="write a tiny random HF-format checkpoint (tests, demos)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Write a Qwen2-VL / Qwen2.5-VL checkpoint with random weights, a locally "
+                    "trained BPE tokenizer and processor configs. Nothing is downloaded.")
+    p.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl",
+                   help="architecture")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--hidden-size", type=int, default=64, help="language model width")
+    p.add_argument("--num-layers", type=int, default=2, help="language model layers")
+    p.add_argument("--num-heads", type=int, default=4, help="attention heads")
+    p.add_argument("--num-kv-heads", type=int, default=2, help="KV heads (GQA)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width (default ~2.7x hidden)")
+    p.add_argument("--vision-depth", type=int, default=2, help="vision tower blocks")
+    p.add_argument("--vision-embed-dim", type=int, default=32, help="vision tower width")
+    p.add_argument("--vision-heads", type=int, default=2, help="vision attention heads")
+    p.add_argument("--vocab-size", type=int, default=1024, help="trained tokenizer vocabulary")
+    p.add_argument("--model-vocab-size", type=int, default=None,
+                   help="embedding rows (>= tokenizer vocab; e.g. 151936 like real Qwen2-VL)")
+    p.add_argument("--init-std", type=float, default=None,
+                   help="weight init std (default 0.15 up to hidden 256, else 0.02)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = make_tiny(args.arch, args.out, seed=args.seed, hidden_size=args.hidden_size,
+                    num_layers=args.num_layers, num_heads=args.num_heads,
+                    num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+                    vision_depth=args.vision_depth, vision_embed_dim=args.vision_embed_dim,
+                    vision_heads=args.vision_heads, vocab_size=args.vocab_size,
+                    model_vocab_size=args.model_vocab_size, init_std=args.init_std)
+    print(f"wrote {out}")
+    return 0
