@@ -11,9 +11,11 @@ from typing import Any
 logger = logging.getLogger("triptych.models")
 
 # The `triptych bench throughput` default: ~100M-class layout on random weights.
+# The embedding is padded to Qwen2-VL's real vocabulary (151936 rows, tied head): ~106M
+# parameters, and the LM head's cost per token is what it is on the real models.
 BENCH_FLAGS: dict[str, Any] = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                                    vision_depth=4, vision_embed_dim=256, vision_heads=4,
-                                   vocab_size=4096)
+                                   vocab_size=4096, model_vocab_size=151936)
 DEMO_FLAGS: dict[str, Any] = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                                   vision_depth=2, vision_embed_dim=64, vision_heads=2)
 
