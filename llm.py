@@ -14,12 +14,13 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from triptych.api.processor import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.engine.llm_engine import LLMEngine
 from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams
 
-PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}}
+PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}} | ProcessedPrompt
 
 
 class LLM:
@@ -42,9 +43,13 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt; outputs come back in the order of the prompts."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
+                prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        processed = [self._process(i, lambda p=p: self.processor.process_prompt(p))
+        # Already-processed prompts (ProcessedPrompt) pass through: benchmarks and pipelines
+        # that preprocess ahead of time do not pay for it twice.
+        processed = [p if isinstance(p, ProcessedPrompt) else
+                     self._process(i, lambda p=p: self.processor.process_prompt(p))
                      for i, p in enumerate(prompts)]
         return self._run(processed, sampling_params, use_tqdm)
 
