@@ -72,15 +72,11 @@ class OutputProcessor:
         return stopped
 
     def collect(self, produced: list[Request]) -> list[RequestOutput]:
-        outs = []
-        seen = set()
-        for req in produced:
+        parents: dict[str, _Parent] = {}
+        for req in produced:  # several children of one parent can produce in one step
             p, _ = self._child[req.request_id]
-            if p.request_id in seen:
-                continue
-            seen.add(p.request_id)
-            outs.append(self._output(p))
-        return outs
+            parents.setdefault(p.request_id, p)
+        return [self._output(p) for p in parents.values()]
 
     def _output(self, p: _Parent) -> RequestOutput:
         comps = []
