@@ -52,24 +52,21 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one new token per sequence over its whole paged context (GQA aware)."""
     b, h, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
+    bs = k_cache.shape[1]
     if b == 0:
         return q.new_empty(b, h, d)
     max_len = int(seq_lens.max())
     nblk = (max_len + bs - 1) // bs
     blocks = block_tables[:, :nblk].long()  # [B, nblk]
-    # Batched gather: [B, nblk*bs, Hkv, D] -> [B, Hkv, L, D]
+    # Batched gather, then a strided view: [B, nblk*bs, Hkv, D] -> [B, Hkv, L, D]
     k = k_cache[blocks].flatten(1, 2).transpose(1, 2)
     v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     pos = torch.arange(nblk * bs, device=q.device)
     mask = pos[None, :] < seq_lens[:, None].to(q.device)  # [B, L]
-    group = h // hkv
-    qg = q.view(b, hkv, group, d).float()
-    scores = torch.einsum("bkgd,bkld->bkgl", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,bkld->bkgd", probs, v.float())
-    return out.reshape(b, h, d).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
+        scale=scale, enable_gqa=True)  # [B, H, 1, D]
+    return out[:, :, 0]
 
 
 def paged_prefill_attention(
