@@ -10,9 +10,12 @@ in a sequence of seq_len tokens sits at position ``seq_len - q_len + i``:
 Grid (B, H, cdiv(max_q_len, BLOCK_M)); keys are visited in tiles of BLOCK_N tokens, each
 token's cache row found through the block table, so BLOCK_N is independent of block_size.
 Vision attention is the same loop without the cache and without the causal mask.
-Loads are upcast to fp32 (see triton_decode_attention.py).
+fp32 inputs (and every input under the interpreter) are computed in fp32 with IEEE dots
+(no TF32); fp16/bf16 on a GPU feed the tensor cores directly and accumulate in fp32.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -24,7 +27,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
                     scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
                     stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -40,7 +43,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
     mask_m = offs_m < q_len
     mask_d = offs_d < D
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = prefix + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -52,17 +57,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
         blk = tl.load(bt_ptr + b * stride_btb + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         row = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -72,7 +77,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
 @triton.jit
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride_h,
                    stride_ot, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     seg = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -85,7 +90,9 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride
     mask_m = offs_m < n
     mask_d = offs_d < D
     q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -94,18 +101,27 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride
         mask_n = offs_n < n
         ptr = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + ptr, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + ptr, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        k = tl.load(k_ptr + ptr, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + ptr, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale,
+                     float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _upcast(q: torch.Tensor) -> bool:
+    """fp32 math for fp32 inputs and under the interpreter (which computes bf16 wrongly);
+    on a GPU fp16/bf16 operands go to the tensor cores as they are, accumulating in fp32."""
+    return q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -129,7 +145,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, out, bt, cu_seqlens_q, seq_lens, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), out.stride(0),
         out.stride(1), G=h // hkv, D=d, D_PAD=max(triton.next_power_of_2(d), 16),
-        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n)
+        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q))
     return out
 
 
@@ -151,5 +167,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_m, block_n = 16, 16
     _varlen_kernel[(n_seg, h, triton.cdiv(max_len, block_m))](
         q, k, v, out, cu_seqlens, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        D=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_M=block_m, BLOCK_N=block_n)
+        D=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=_upcast(q))
     return out

@@ -1,0 +1,129 @@
+"""Time each Triton kernel against its torch reference and the memory-bandwidth floor.
+
+    python benchmarks/kernels.py            # on a CUDA GPU (7B-like decode shapes)
+    python benchmarks/kernels.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
+
+The floor of a memory-bound kernel is (bytes it must move) / (measured device copy
+bandwidth, counting bytes read + written by a large `copy_`). Paged decode must read every
+cached K and V of every sequence once, so at 7B shapes (32 heads, 8 KV heads, head_dim 128,
+bf16) its bytes are 2 * batch * context * 8 * 128 * 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the interpreter")
+    ap.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
+    ap.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU (use --smoke for a CPU interpreter run)")
+        return 0
+    from triptych.kernels import torch_ref, triton_ops
+
+    dev = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    h, hkv, d, bs = (4, 2, 16, 4) if args.smoke else (32, 8, 128, 16)
+    batches = [2] if args.smoke else [int(x) for x in args.batches.split(",")]
+    contexts = [20] if args.smoke else [int(x) for x in args.contexts.split(",")]
+
+    def timeit(fn, reps: int = 1 if args.smoke else 20) -> float:
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e) / 1e3)
+            return sorted(times)[len(times) // 2]
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    n = (1 << 20) if args.smoke else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * n / timeit(lambda: dst.copy_(src))
+    print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}")
+    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
+    rows = []
+    print(f"{'kernel':<16}{'batch':>6}{'ctx':>7}{'triton us':>11}{'torch us':>10}"
+          f"{'GB/s':>8}{'% floor':>9}")
+    for b in batches:
+        for ctx in contexts:
+            kv_bytes = 2 * b * ctx * hkv * d * torch.tensor([], dtype=dtype).element_size()
+            if kv_bytes > (40 << 30):
+                continue
+            nblk = -(-ctx // bs)
+            k = torch.randn(b * nblk, bs, hkv, d, device=dev, dtype=dtype)
+            v = torch.randn_like(k)
+            bt = torch.randperm(b * nblk, device=dev, dtype=torch.int32).view(b, nblk)
+            sl = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+            q = torch.randn(b, h, d, device=dev, dtype=dtype)
+            t_tri = timeit(lambda: triton_ops.paged_decode_attention(q, k, v, bt, sl, d ** -0.5))
+            # The reference gathers a copy of K/V: skip it where that copy would not fit.
+            t_ref = (timeit(lambda: torch_ref.paged_decode_attention(q, k, v, bt, sl, d ** -0.5))
+                     if kv_bytes < (8 << 30) else float("nan"))
+            floor = kv_bytes / copy_bw
+            row = ("decode", b, ctx, t_tri * 1e6, t_ref * 1e6, kv_bytes / t_tri / 1e9,
+                   100 * floor / t_tri)
+            rows.append(row)
+            print(f"{row[0]:<16}{b:>6}{ctx:>7}{row[3]:>11.1f}{row[4]:>10.1f}{row[5]:>8.0f}"
+                  f"{row[6]:>8.0f}%")
+            del k, v
+    # Prefill, KV write, norm: one typical shape each, against the reference.
+    t = 64 if args.smoke else 8192
+    ql = 16 if args.smoke else 2048
+    nseq = t // ql
+    nblk = -(-ql // bs)
+    k = torch.randn(nseq * nblk, bs, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    bt = torch.arange(nseq * nblk, device=dev, dtype=torch.int32).view(nseq, nblk)
+    sl = torch.full((nseq,), ql, device=dev, dtype=torch.int32)
+    cu = torch.arange(0, t + 1, ql, device=dev, dtype=torch.int32)
+    q = torch.randn(t, h, d, device=dev, dtype=dtype)
+    extra = [
+        ("prefill", lambda: triton_ops.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5),
+         lambda: torch_ref.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5), None),
+        ("reshape_cache", lambda: triton_ops.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v,
+                                                               torch.arange(t, device=dev)),
+         lambda: torch_ref.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v,
+                                             torch.arange(t, device=dev)),
+         4 * t * hkv * d * q.element_size()),
+        ("varlen_vision", lambda: triton_ops.varlen_attention(q, q, q, cu, d ** -0.5),
+         lambda: torch_ref.varlen_attention(q, q, q, cu, d ** -0.5), None),
+    ]
+    x = torch.randn(t, h * d, device=dev, dtype=dtype)
+    w = torch.randn(h * d, device=dev, dtype=dtype)
+    extra.append(("rms_norm", lambda: triton_ops.rms_norm(x, w, 1e-6, x),
+                  lambda: torch_ref.rms_norm(x, w, 1e-6, x), 4 * x.numel() * x.element_size()))
+    for name, tri, ref, nbytes in extra:
+        t_tri, t_ref = timeit(tri), timeit(ref)
+        gbs = nbytes / t_tri / 1e9 if nbytes else float("nan")
+        pct = 100 * nbytes / copy_bw / t_tri if nbytes else float("nan")
+        rows.append((name, nseq, ql, t_tri * 1e6, t_ref * 1e6, gbs, pct))
+        print(f"{name:<16}{nseq:>6}{ql:>7}{t_tri * 1e6:>11.1f}{t_ref * 1e6:>10.1f}{gbs:>8.0f}"
+              f"{pct:>8.0f}%")
+    print("\nsummary (decode: % of the bandwidth floor; others: speed-up over torch)")
+    for r in rows:
+        what = f"{r[6]:.0f}% of floor" if r[0] == "decode" else f"{r[4] / r[3]:.2f}x vs torch"
+        print(f"  {r[0]:<14} b={r[1]:<4} ctx={r[2]:<6} {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
