@@ -117,3 +117,13 @@ def test_stop_string_and_eos(llm):
                           use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.outputs[0].text == text[:text.index(stop)]
+
+
+def test_one_pixel_image_is_served(llm):
+    # A 1x1 image once crashed an engine (CVE-2026-22773): it is resized up to the
+    # processor's minimum (56x56 here) and served like any other.
+    conv = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (1, 1))},
+                                         {"type": "text", "text": "dot?"}]}]
+    (out,) = llm.chat(conv, SP, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert llm.processor.process_chat(conv).mm_items[0].grid_thw == (1, 4, 4)
