@@ -78,6 +78,8 @@ def engine_config_from_args(args: argparse.Namespace, **override: Any) -> Engine
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(
         prog="triptych", description="triptych: a multimodal-first LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)

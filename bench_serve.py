@@ -1,0 +1,170 @@
+"""`triptych bench serve`: load a running server with image chat requests at a rate.
+
+Requests carry random images (a fixed seed) and ask for a fixed number of tokens; arrivals
+are Poisson at --request-rate (inf = all at once). Streaming responses give TTFT (first
+content token), ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)).
+A sweep over rates writes a JSON file and a PNG of TTFT and ITL against the rate.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="load a running server (TTFT / TPOT / ITL, sweep plot)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests/s (Poisson arrivals); comma-separated for a sweep, e.g. 1,2,4,inf")
+    p.add_argument("--image-size", type=int, default=224, help="image width = height")
+    p.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of images and arrivals")
+    p.add_argument("--json-out", default="bench_serve.json", help="results file")
+    p.add_argument("--plot", default="bench_serve.png", help="PNG of TTFT and ITL vs rate")
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def _image_url(rng: np.random.Generator, size: int) -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def _one(client: Any, url: str, body: dict) -> Result:
+    t0 = time.perf_counter()
+    last = None
+    res = Result(ok=False)
+    try:
+        async with client.stream("POST", url, json=body, timeout=600) as r:
+            if r.status_code != 200:
+                return Result(ok=False, error=f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"] or not chunk["choices"][0]["delta"].get("content"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.latency = time.perf_counter() - t0
+        res.ok = True
+    except Exception as e:  # a benchmark reports failures, it does not stop on them
+        res.error = type(e).__name__
+    return res
+
+
+async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(args.seed)
+    bodies = [{"model": model, "stream": True, "stream_options": {"include_usage": True},
+               "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+               "messages": [{"role": "user", "content": [
+                   *[{"type": "image_url", "image_url": {"url": _image_url(rng, args.image_size)}}
+                     for _ in range(args.images_per_request)],
+                   {"type": "text", "text": f"Describe picture {i}."}]}]}
+              for i in range(args.num_requests)]
+    url = args.base_url.rstrip("/") + "/v1/chat/completions"
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(_one(client, url, body)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        dur = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    ms = lambda xs, q=None: float(np.percentile(xs, q) * 1e3) if q else float(np.mean(xs) * 1e3)  # noqa: E731
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    out = {"request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok),
+           "duration_s": dur, "request_throughput": len(ok) / dur,
+           "output_tokens_per_s": sum(r.output_tokens for r in ok) / dur}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        if xs:
+            out.update({f"{name}_mean_ms": ms(xs), f"{name}_p50_ms": ms(xs, 50),
+                        f"{name}_p99_ms": ms(xs, 99)})
+    return out
+
+
+def _print(r: dict) -> None:
+    print(f"rate {r['request_rate']}: {r['completed']} ok, {r['failed']} failed in "
+          f"{r['duration_s']:.1f} s | {r['request_throughput']:.2f} req/s, "
+          f"{r['output_tokens_per_s']:.1f} output tok/s")
+    for name in ("ttft", "tpot", "itl"):
+        if f"{name}_mean_ms" in r:
+            print(f"  {name.upper():5} mean {r[f'{name}_mean_ms']:8.1f} ms  p50 "
+                  f"{r[f'{name}_p50_ms']:8.1f} ms  p99 {r[f'{name}_p99_ms']:8.1f} ms")
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r for r in results if math.isfinite(r["request_rate"])]
+    if not finite:
+        return
+    x = [r["request_rate"] for r in finite]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, name in zip(axes, ("ttft", "itl")):
+        for q, style in (("mean", "o-"), ("p50", "s--"), ("p99", "^:")):
+            ax.plot(x, [r.get(f"{name}_{q}_ms", float("nan")) for r in finite], style, label=q)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name.upper()} (ms)")
+        ax.set_title(name.upper())
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
+    rates = [float(r) for r in str(args.request_rate).split(",")]
+    results = []
+    for rate in rates:
+        r = asyncio.run(_run_rate(args, model, rate))
+        _print(r)
+        results.append(r)
+    with open(args.json_out, "w") as f:
+        json.dump({"model": model, "num_requests": args.num_requests,
+                   "image_size": args.image_size, "max_tokens": args.max_tokens,
+                   "results": results}, f, indent=2)
+    if len(rates) > 1:
+        _plot(results, args.plot)
+        print(f"wrote {args.json_out} and {args.plot}")
+    return 0
