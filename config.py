@@ -45,11 +45,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
-    tensor_parallel_size: int = 1  # ranks sharing each layer's weights
-    data_parallel_size: int = 1  # engine replicas
-    mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks
-    mm_processor_cache_gb: float = 4.0  # processor cache size (0 disables)
-    mm_processor_cache_type: str = "lru"  # lru (P0 keys, P1 data) | shm (shared-memory ring)
+    tensor_parallel_size: int = 1  # ranks sharing each layer's weights (only 1 is supported yet)
+    data_parallel_size: int = 1  # engine replicas (only 1 is supported yet)
+    mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks (takes effect with tensor_parallel_size > 1, not supported yet)
+    mm_processor_cache_gb: float = 4.0  # processor cache size (0 disables; reserved: the P0/P1 processor cache is not built yet)
+    mm_processor_cache_type: str = "lru"  # lru (P0 keys, P1 data) | shm (shared-memory ring); reserved, see mm_processor_cache_gb
     encoder_cache_size: int = 16384  # vision embedding rows kept for reuse (repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
