@@ -23,6 +23,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST: tl.constexpr):
+    """One online-softmax step: fold a [BLOCK_N] key tile into (m, l, acc) of [BLOCK_M]
+    queries; ``keep`` masks the (query, key) pairs that may attend."""
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr,
                     scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
                     stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
@@ -59,16 +75,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        keep = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal
+        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -103,16 +111,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + ptr, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + ptr, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale,
-                     float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, scale, UPCAST)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
