@@ -26,16 +26,22 @@ import triton.language as tl
 def _attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST: tl.constexpr):
     """One online-softmax step: fold a [BLOCK_N] key tile into (m, l, acc) of [BLOCK_M]
     queries; ``keep`` masks the (query, key) pairs that may attend."""
+    # IEEE fp32 dots when upcasting (no TF32); fp16/bf16 operands go to the tensor cores.
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-    s = tl.where(keep, s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_i, acc
+    if UPCAST:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
