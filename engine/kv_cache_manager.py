@@ -44,9 +44,13 @@ class KVCacheManager:
             if blk is None:
                 break
             hits.append(blk)
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup (a request that waits is looked up again; only the
+        lookup that admits it counts)."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:

@@ -120,6 +120,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hits) is None:
                 break  # wait for running requests to free blocks
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
