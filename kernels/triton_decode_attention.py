@@ -82,11 +82,11 @@ def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_len
     mask_s = offs_s < n_splits
     base = b * stride_pb + h * stride_ph + offs_s * stride_ps
     m = tl.load(part_m_ptr + base // D_PAD, mask=mask_s, other=float("-inf"))
-    l = tl.load(part_l_ptr + base // D_PAD, mask=mask_s, other=0.0)
+    lsum = tl.load(part_l_ptr + base // D_PAD, mask=mask_s, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(mask_s, tl.exp(m - m_max), 0.0)
     acc = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 

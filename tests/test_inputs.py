@@ -127,3 +127,24 @@ def test_one_pixel_image_is_served(llm):
     (out,) = llm.chat(conv, SP, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
     assert llm.processor.process_chat(conv).mm_items[0].grid_thw == (1, 4, 4)
+
+
+def test_repeated_image_skips_the_vision_tower(llm):
+    im = img(42)
+
+    def conv(q: str, image_first: bool) -> list[dict]:
+        parts = [{"type": "image", "image": im}, {"type": "text", "text": q}]
+        return [{"role": "user", "content": parts if image_first else parts[::-1]}]
+
+    enc = llm.engine.encoder
+    n0, h0 = enc.num_items_encoded, enc.cache.num_hits
+    llm.chat(conv("first question", True), SP, use_tqdm=False)
+    assert enc.num_items_encoded == n0 + 1
+    # Same image after a different question: the prefix differs, the encoder cache hits.
+    llm.chat(conv("a different question entirely", False), SP, use_tqdm=False)
+    assert enc.num_items_encoded == n0 + 1 and enc.cache.num_hits == h0 + 1
+    # Image first again, new question: its KV comes from the prefix cache, so the
+    # encoder is not even asked.
+    (out,) = llm.chat(conv("yet another one", True), SP, use_tqdm=False)
+    assert out.num_cached_tokens > 16
+    assert enc.num_items_encoded == n0 + 1 and enc.cache.num_hits == h0 + 1

@@ -137,3 +137,17 @@ def test_hand_off_after_first_token_keeps_blocks():
     s.kv.release_blocks("p")
     assert s.kv.pool.num_free_blocks == 8
     s.kv.check_integrity()
+
+
+def test_preemption_warning_names_the_knobs(caplog):
+    s = make(num_blocks=4, block_size=4, budget=32)
+    s.add_request(req("a", 7, max_tokens=6))
+    s.add_request(req("b", 7, max_tokens=6, first=100))
+    with caplog.at_level("WARNING", logger="triptych.scheduler"):
+        for _ in range(3):
+            run_step(s)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1  # once, not every step
+    for knob in ("kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+                 "max_num_batched_tokens"):
+        assert knob in msgs[0]
