@@ -73,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             await client.start()
             from transformers import AutoConfig
+
+            from triptych.engine.llm_engine import resolve_max_model_len
             hf = AutoConfig.from_pretrained(model, local_files_only=True)
-            text = getattr(hf, "text_config", hf)
-            max_len = config.max_model_len or min(text.max_position_embeddings, 8192)
+            max_len = resolve_max_model_len(
+                config, getattr(hf, "text_config", hf).max_position_embeddings)
             processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
                                        media_limits=limits, max_model_len=max_len)
             name = args.served_model_name or os.path.basename(os.path.normpath(model))

@@ -48,6 +48,11 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> to
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
 
 
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    """The knob, or the checkpoint's positions capped at 8192 (CPU-friendly default)."""
+    return config.max_model_len or min(max_position_embeddings, 8192)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the engine needs to know about the language model, read once from config."""
@@ -97,7 +102,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, getattr(hf, "dtype", None))
         self.model, self.hf_config = load_model(config.model, self.dtype, str(self.device), backend)
         self.shape = ModelShape.from_hf(self.hf_config)
-        self.max_model_len = config.max_model_len or min(self.shape.max_position_embeddings, 8192)
+        self.max_model_len = resolve_max_model_len(config, self.shape.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
