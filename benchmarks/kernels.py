@@ -30,6 +30,8 @@ def main() -> int:
         print("benchmarks/kernels.py needs a CUDA GPU (use --smoke for a CPU interpreter run)")
         return 0
     from triptych.kernels import torch_ref, triton_ops
+    from triptych.kernels.triton_common import num_sms, pad_dim
+    from triptych.kernels.triton_decode_attention import _config, choose_partition
 
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -38,7 +40,9 @@ def main() -> int:
     contexts = [20] if args.smoke else [int(x) for x in args.contexts.split(",")]
 
     def timeit(fn, reps: int = 1 if args.smoke else 20) -> float:
-        fn()
+        """Median seconds of ``reps`` runs after warmup (compiles and autotunes first)."""
+        for _ in range(1 if args.smoke else 3):
+            fn()
         if dev == "cuda":
             torch.cuda.synchronize()
             times = []
@@ -59,9 +63,9 @@ def main() -> int:
     dst = torch.empty_like(src)
     copy_bw = 2 * n / timeit(lambda: dst.copy_(src))
     print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}")
-    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
+    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.1f} GB/s\n")
     rows = []
-    print(f"{'kernel':<16}{'batch':>6}{'ctx':>7}{'triton us':>11}{'torch us':>10}"
+    print(f"{'kernel':<16}{'batch':>6}{'ctx':>7}{'splits':>7}{'triton us':>11}{'torch us':>10}"
           f"{'GB/s':>8}{'% floor':>9}")
     for b in batches:
         for ctx in contexts:
@@ -74,18 +78,22 @@ def main() -> int:
             bt = torch.randperm(b * nblk, device=dev, dtype=torch.int32).view(b, nblk)
             sl = torch.full((b,), ctx, device=dev, dtype=torch.int32)
             q = torch.randn(b, h, d, device=dev, dtype=dtype)
-            t_tri = timeit(lambda: triton_ops.paged_decode_attention(q, k, v, bt, sl, d ** -0.5))
+            # The split count the wrapper will choose for this shape (printed, not forced).
+            part = choose_partition(b, hkv, ctx, _config(q, pad_dim(d))[0], num_sms(q.device))
+            splits = -(-ctx // part)
+            args_ = (q, k, v, bt, sl, d ** -0.5)
+            t_tri = timeit(lambda a=args_: triton_ops.paged_decode_attention(*a))
             # The reference gathers a copy of K/V: skip it where that copy would not fit.
-            t_ref = (timeit(lambda: torch_ref.paged_decode_attention(q, k, v, bt, sl, d ** -0.5))
+            t_ref = (timeit(lambda a=args_: torch_ref.paged_decode_attention(*a))
                      if kv_bytes < (8 << 30) else float("nan"))
             floor = kv_bytes / copy_bw
             row = ("decode", b, ctx, t_tri * 1e6, t_ref * 1e6, kv_bytes / t_tri / 1e9,
                    100 * floor / t_tri)
             rows.append(row)
-            print(f"{row[0]:<16}{b:>6}{ctx:>7}{row[3]:>11.1f}{row[4]:>10.1f}{row[5]:>8.0f}"
-                  f"{row[6]:>8.0f}%")
-            del k, v
-    # Prefill, KV write, norm: one typical shape each, against the reference.
+            print(f"{row[0]:<16}{b:>6}{ctx:>7}{splits:>7}{row[3]:>11.1f}{row[4]:>10.1f}"
+                  f"{row[5]:>8.0f}{row[6]:>8.0f}%")
+            del k, v, args_
+    # Prefill, KV write, vision attention, norm, rope: one typical shape each, vs torch.
     t = 64 if args.smoke else 8192
     ql = 16 if args.smoke else 2048
     nseq = t // ql
@@ -96,13 +104,13 @@ def main() -> int:
     sl = torch.full((nseq,), ql, device=dev, dtype=torch.int32)
     cu = torch.arange(0, t + 1, ql, device=dev, dtype=torch.int32)
     q = torch.randn(t, h, d, device=dev, dtype=dtype)
+    slots = torch.arange(t, device=dev)
     extra = [
         ("prefill", lambda: triton_ops.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5),
          lambda: torch_ref.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5), None),
-        ("reshape_cache", lambda: triton_ops.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v,
-                                                               torch.arange(t, device=dev)),
-         lambda: torch_ref.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v,
-                                             torch.arange(t, device=dev)),
+        ("reshape_cache",
+         lambda: triton_ops.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v, slots),
+         lambda: torch_ref.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v, slots),
          4 * t * hkv * d * q.element_size()),
         ("varlen_vision", lambda: triton_ops.varlen_attention(q, q, q, cu, d ** -0.5),
          lambda: torch_ref.varlen_attention(q, q, q, cu, d ** -0.5), None),
@@ -111,17 +119,28 @@ def main() -> int:
     w = torch.randn(h * d, device=dev, dtype=dtype)
     extra.append(("rms_norm", lambda: triton_ops.rms_norm(x, w, 1e-6, x),
                   lambda: torch_ref.rms_norm(x, w, 1e-6, x), 4 * x.numel() * x.element_size()))
+    pos = torch.randint(0, 4096, (3, t), device=dev)
+    ang = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * torch.rand(
+        d // 2, device=dev)[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
+    kr = q[:, :hkv].contiguous()
+    sec = [d // 8, 3 * d // 16, 3 * d // 16]  # Qwen2-VL's [16, 24, 24] at head_dim 128
+    extra.append(("mrope", lambda: triton_ops.apply_mrope(q, kr, pos, cos_sin, sec),
+                  lambda: torch_ref.apply_mrope(q, kr, pos, cos_sin, sec),
+                  2 * (q.numel() + kr.numel()) * q.element_size()))
     for name, tri, ref, nbytes in extra:
         t_tri, t_ref = timeit(tri), timeit(ref)
         gbs = nbytes / t_tri / 1e9 if nbytes else float("nan")
         pct = 100 * nbytes / copy_bw / t_tri if nbytes else float("nan")
         rows.append((name, nseq, ql, t_tri * 1e6, t_ref * 1e6, gbs, pct))
-        print(f"{name:<16}{nseq:>6}{ql:>7}{t_tri * 1e6:>11.1f}{t_ref * 1e6:>10.1f}{gbs:>8.0f}"
-              f"{pct:>8.0f}%")
-    print("\nsummary (decode: % of the bandwidth floor; others: speed-up over torch)")
+        print(f"{name:<16}{nseq:>6}{ql:>7}{'':>7}{t_tri * 1e6:>11.1f}{t_ref * 1e6:>10.1f}"
+              + (f"{gbs:>8.0f}{pct:>8.0f}%" if nbytes else f"{'-':>8}{'-':>9}"))
+    print("\nsummary (memory-bound kernels: % of the copy-bandwidth floor; all: speed-up "
+          "over the torch reference)")
+    print(f"  {'kernel':<14} {'batch':>5} {'ctx/len':>7} {'% floor':>8} {'vs torch':>9}")
     for r in rows:
-        what = f"{r[6]:.0f}% of floor" if r[0] == "decode" else f"{r[4] / r[3]:.2f}x vs torch"
-        print(f"  {r[0]:<14} b={r[1]:<4} ctx={r[2]:<6} {what}")
+        floor = "-" if r[6] != r[6] else f"{r[6]:.0f}%"  # NaN: no byte floor (compute-bound)
+        print(f"  {r[0]:<14} {r[1]:>5} {r[2]:>7} {floor:>8} {r[4] / r[3]:>8.2f}x")
     return 0
 
 

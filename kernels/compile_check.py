@@ -18,13 +18,14 @@ import time
 _LAUNCHES = {
     "triptych.kernels.triton_cache:_reshape_and_cache_kernel": dict(ROW=1024, BLOCK=1024),
     "triptych.kernels.triton_decode_attention:_decode_split_kernel": dict(
-        G=4, G_PAD=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=16, PARTITION=512, NUM_SPLITS=8),
+        G=4, BLOCK_H=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, ONE_SPLIT=False,
+        UPCAST=None),
     "triptych.kernels.triton_decode_attention:_decode_reduce_kernel": dict(
-        D=128, D_PAD=128, PARTITION=512, S_PAD=8),
+        D=128, D_PAD=128, S_BLOCK=16),
     "triptych.kernels.triton_prefill_attention:_prefill_kernel": dict(
-        G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=16, UPCAST=None),
+        G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, UPCAST=None),
     "triptych.kernels.triton_prefill_attention:_varlen_kernel": dict(
-        D=80, D_PAD=128, BLOCK_M=16, BLOCK_N=16, UPCAST=None),
+        D=80, D_PAD=128, BLOCK_M=64, BLOCK_N=64, UPCAST=None),
     "triptych.kernels.triton_norm_rope:_rms_norm_kernel": dict(N=4096, BLOCK=4096, HAS_RES=True),
     "triptych.kernels.triton_norm_rope:_mrope_kernel": dict(
         NH=32, HALF=64, HALF_PAD=64, NH_PAD=32, S0=16, S1=24),
@@ -80,7 +81,10 @@ def main() -> int:
                 c["UPCAST"] = dtype == "fp32"
             t0 = time.perf_counter()
             try:
-                k = triton.compile(ASTSource(fn, _signature(fn.arg_names, c, dtype), c),
+                # Like a real launch: Triton's JIT marks 16-aligned pointers and strides.
+                attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                         if n not in c and (n.endswith("_ptr") or n.startswith("stride_"))}
+                k = triton.compile(ASTSource(fn, _signature(fn.arg_names, c, dtype), c, attrs),
                                    target=target)
                 n_regs = getattr(k, "n_regs", None)
                 print(f"ok    {name:<28} {dtype:<5} sm_{args.arch} "

@@ -1,15 +1,24 @@
 """Triton paged decode attention with split-K (flash-decoding).
 
 One query token per sequence. Grid (B, Hkv, num_splits): a program takes one KV head and
-the G = H / Hkv query heads that share it (each K/V tile is loaded once for the group),
-and one partition of the sequence. Partials (running max m, sum l, unnormalised out) go
-to a workspace; a second kernel merges the partitions:
+the G = H / Hkv query heads that share it, padded to BLOCK_H >= 16 rows so both products
+run as ``tl.dot`` (tensor cores on a GPU; each K/V tile is loaded once for the group), over
+one partition of the sequence, in tiles of BLOCK_N tokens found through the block table:
 
-    seq:  |---- split 0 ----|---- split 1 ----|-- split 2 --|
+    block_table[b]: | 7 | 2 | 9 | 4 | ...      token n -> k_cache[bt[n // bs], n % bs, kvh]
+    tokens:         |---- split 0 ----|---- split 1 ----|-- split 2 --|   (partition P)
+
+Each split writes its partial (running max m, sum l, unnormalised out acc) to an fp32
+workspace and a second kernel merges them:
+
     out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s,   M = max_s m_s
 
-Loads are upcast to fp32 (the interpreter computes bf16 wrongly otherwise; on GPU it is
-also where accumulation happens), so fp16 / bf16 / fp32 inputs all accumulate in fp32.
+With one split (big batches) the first kernel normalises and writes the output itself.
+The partition is a runtime argument, not a constexpr: the split count changes as contexts
+grow, and a constexpr would recompile the kernel for every new value.
+
+Loads are upcast to fp32 for fp32 inputs and under TRITON_INTERPRET=1 (the interpreter
+computes bf16 wrongly otherwise); every dtype accumulates in fp32.
 """
 from __future__ import annotations
 
@@ -17,120 +26,176 @@ import torch
 import triton
 import triton.language as tl
 
+from triptych.kernels.triton_common import (
+    attend_tile, check_cache, check_tensors, interpreting, num_sms, pad_dim, require, upcast)
+
+MAX_PARTITION = 4096  # tokens: a long sequence among short ones is not left as the tail
+S_BLOCK = 16  # splits merged per step of the reduce kernel
+
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr,
-                         part_out_ptr, part_m_ptr, part_l_ptr, scale,
-                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_btb, stride_pb, stride_ph, stride_ps,
-                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
+                         part_out_ptr, part_m_ptr, part_l_ptr, scale, partition, num_splits,
+                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
+                         stride_ob, stride_oh, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * PARTITION
-    offs_g = tl.arange(0, G_PAD)
+    start = split * partition
+    if start >= seq_len:  # a shorter sequence of the batch: the reduce skips this split
+        return
+    end = tl.minimum(start + partition, seq_len)
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_PAD)
-    mask_g = offs_g < G
+    mask_h = offs_h < G
     mask_d = offs_d < D
-    heads = kvh * G + offs_g
-    # q: [G_PAD, D_PAD] fp32
+    heads = kvh * G + offs_h
+    # q: [BLOCK_H, D_PAD]; padded rows are zeros and never stored
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    end = tl.minimum(start + PARTITION, seq_len)
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        # token -> (block id via the block table, offset in block)
         blk = tl.load(bt_ptr + b * stride_btb + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         row = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-    base = b * stride_pb + heads * stride_ph + split * stride_ps
-    tl.store(part_m_ptr + base // D_PAD, m_i, mask=mask_g)
-    tl.store(part_l_ptr + base // D_PAD, l_i, mask=mask_g)
-    tl.store(part_out_ptr + base[:, None] + offs_d[None, :], acc, mask=mask_g[:, None])
+        # k, v: [BLOCK_N, D_PAD]; masked tokens load 0 (not garbage: p * NaN would be NaN)
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, scale, UPCAST)
+    if ONE_SPLIT:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        # workspace index of (b, head, split): part_m/part_l [B, H, S], part_out [B, H, S, D_PAD]
+        idx = (b * tl.num_programs(1) * G + heads) * num_splits + split
+        tl.store(part_m_ptr + idx, m_i, mask=mask_h)
+        tl.store(part_l_ptr + idx, l_i, mask=mask_h)
+        tl.store(part_out_ptr + idx.to(tl.int64)[:, None] * D_PAD + offs_d[None, :], acc,
+                 mask=mask_h[:, None])
 
 
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
-                          stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                          D: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
-                          S_PAD: tl.constexpr):
+                          partition, num_splits, stride_ob, stride_oh, D: tl.constexpr,
+                          D_PAD: tl.constexpr, S_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_splits = tl.cdiv(seq_len, PARTITION)
-    offs_s = tl.arange(0, S_PAD)
+    n_splits = tl.cdiv(tl.load(seq_lens_ptr + b), partition)  # this sequence's own count
+    base = (b * tl.num_programs(1) + h) * num_splits
     offs_d = tl.arange(0, D_PAD)
-    mask_s = offs_s < n_splits
-    base = b * stride_pb + h * stride_ph + offs_s * stride_ps
-    m = tl.load(part_m_ptr + base // D_PAD, mask=mask_s, other=float("-inf"))
-    lsum = tl.load(part_l_ptr + base // D_PAD, mask=mask_s, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(mask_s, tl.exp(m - m_max), 0.0)
-    acc = tl.load(part_out_ptr + base[:, None] + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    # Online merge, S_BLOCK splits at a time (bounded registers for any split count).
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.zeros([], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, n_splits, S_BLOCK):
+        offs_s = s0 + tl.arange(0, S_BLOCK)
+        mask_s = offs_s < n_splits
+        m = tl.load(part_m_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+        lsum = tl.load(part_l_ptr + base + offs_s, mask=mask_s, other=0.0)
+        part = tl.load(part_out_ptr + (base + offs_s).to(tl.int64)[:, None] * D_PAD
+                       + offs_d[None, :], mask=mask_s[:, None], other=0.0)  # [S_BLOCK, D_PAD]
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite: split s0 always has tokens
+        alpha = tl.exp(m_run - m_new)
+        w = tl.exp(m - m_new)  # masked splits: exp(-inf) = 0
+        l_run = l_run * alpha + tl.sum(lsum * w, axis=0)
+        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
+        m_run = m_new
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+             (acc / l_run).to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def _config(q: torch.Tensor, d_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). Interpreter: 16-token tiles keep tests cheap. GPU:
+    sized so sm_90 needs no register spills (AOT compile, ``cuobjdump
+    --dump-resource-usage``): bf16 D=128 at 64 tokens, 4 warps is ~120 registers, ~39 KB
+    of pipelined shared memory; IEEE fp32 dots need far more registers."""
+    if interpreting():
+        return 16, 4, 1
+    if q.dtype == torch.float32:
+        return (32, 4, 2) if d_pad <= 128 else (16, 8, 2)
+    return (64, 4, 3) if d_pad <= 128 else (32, 4, 3)
+
+
+def choose_partition(batch: int, num_kv_heads: int, max_len: int, block_n: int,
+                     sms: int) -> int:
+    """Tokens per split, from the shape: enough programs to fill the GPU (~4 per SM) even
+    for a few long sequences, no split shorter than 2 tiles (merge and launch overhead
+    win there), none longer than MAX_PARTITION; a multiple of ``block_n``."""
+    splits = triton.cdiv(4 * sms, batch * num_kv_heads)
+    splits = min(splits, triton.cdiv(max_len, 2 * block_n))
+    splits = max(splits, triton.cdiv(max_len, MAX_PARTITION), 1)
+    part = triton.cdiv(max_len, splits)
+    if splits == 1:
+        return triton.cdiv(part, block_n) * block_n
+    # Round down, so rounding never leaves fewer splits (programs) than chosen.
+    return max(2 * block_n, part // block_n * block_n)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            partition_size: int | None = None) -> torch.Tensor:
-    """q: [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
-    seq_lens [B] (>= 1). Returns [B, H, D] in q's dtype. ``partition_size`` (tokens per
-    split, a multiple of the tile) defaults to 512, or less so that few long sequences
-    still give the GPU enough programs."""
+    """Attention of one new token per sequence over its paged context (GQA aware).
+
+    q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
+    block_tables: [B, max_blocks] int; seq_lens: [B] int, each >= 1, context length
+    including the query token. Returns [B, H, D] in q's dtype. ``partition_size`` (tokens
+    per split, a multiple of 16) overrides ``choose_partition``; tests force split-K with it.
+    """
+    fn = "paged_decode_attention"
+    check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                  {"block_tables": block_tables, "seq_lens": seq_lens})
+    check_cache(fn, k_cache, v_cache)
+    require(q.dim() == 3, f"{fn}: q must be [B, H, D], got {tuple(q.shape)}")
     b, h, d = q.shape
-    nb, bs, hkv, dk = k_cache.shape
-    assert dk == d and h % hkv == 0 and v_cache.shape == k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    assert block_tables.shape[0] == b and seq_lens.shape == (b,)
-    assert q.device == k_cache.device == block_tables.device == seq_lens.device
+    _, bs, hkv, _ = k_cache.shape
+    require(q.dtype == k_cache.dtype, f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
+    require(k_cache.shape[3] == d and h % hkv == 0,
+            f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    require(block_tables.dim() == 2 and block_tables.shape[0] == b and seq_lens.shape == (b,),
+            f"{fn}: block_tables {tuple(block_tables.shape)} / seq_lens "
+            f"{tuple(seq_lens.shape)} do not match batch {b}")
     out = torch.empty_like(q)
     if b == 0:
         return out
     g = h // hkv
-    block_n = 16
+    d_pad = pad_dim(d)
+    block_n, warps, stages = _config(q, d_pad)
     max_len = int(seq_lens.max())
     if partition_size is None:
-        partition_size = 512
-        # Fill the GPU: aim for >= ~256 programs when the batch is small.
-        while partition_size > 64 and b * hkv * triton.cdiv(max_len, partition_size) < 256:
-            partition_size //= 2
-    assert partition_size % block_n == 0
-    splits = triton.cdiv(max_len, partition_size)
-    d_pad = triton.next_power_of_2(d)
-    part_out = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
-    bt = block_tables.contiguous()
-    # part_m / part_l share part_out's (b, h, split) index scaled by 1/D_PAD.
+        partition = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
+    else:
+        require(partition_size > 0 and partition_size % 16 == 0,
+                f"{fn}: partition_size must be a positive multiple of 16")
+        partition = partition_size
+        while partition % block_n:
+            block_n //= 2
+    splits = triton.cdiv(max_len, partition)
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    if splits > 1:
+        part_out = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out  # unused by the one-split path
     _decode_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, bt, seq_lens, part_out, part_m, part_l, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        bt.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        G=g, G_PAD=max(triton.next_power_of_2(g), 1), D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
-        BLOCK_N=block_n, PARTITION=partition_size, NUM_SPLITS=splits)
-    _decode_reduce_kernel[(b, h)](
-        part_out, part_m, part_l, out, seq_lens, part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), out.stride(0), out.stride(1), D=d, D_PAD=d_pad,
-        PARTITION=partition_size, S_PAD=max(triton.next_power_of_2(splits), 1))
+        q, k_cache, v_cache, bt, seq_lens, out, part_out, part_m, part_l, scale, partition,
+        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), bt.stride(0), out.stride(0), out.stride(1), G=g,
+        BLOCK_H=max(triton.next_power_of_2(g), 16), D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
+        BLOCK_N=block_n, ONE_SPLIT=splits == 1, UPCAST=upcast(q), num_warps=warps,
+        num_stages=stages)
+    if splits > 1:
+        _decode_reduce_kernel[(b, h)](
+            part_out, part_m, part_l, out, seq_lens, partition, splits, out.stride(0),
+            out.stride(1), D=d, D_PAD=d_pad, S_BLOCK=S_BLOCK)
     return out

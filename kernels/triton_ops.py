@@ -1,8 +1,15 @@
-"""The Triton backend: same functions and signatures as ``torch_ref``."""
+"""The Triton backend: same functions and signatures as ``torch_ref`` (one kernel module
+each; shared checks and the online-softmax tile step in ``triton_common``).
+
+Wrappers accept CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (set before this
+module is imported: ``@triton.jit`` reads it at decoration time).
+"""
+from __future__ import annotations
+
 from triptych.kernels.triton_cache import reshape_and_cache
 from triptych.kernels.triton_decode_attention import paged_decode_attention
 from triptych.kernels.triton_norm_rope import apply_mrope, rms_norm
 from triptych.kernels.triton_prefill_attention import paged_prefill_attention, varlen_attention
 
-__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
-           "varlen_attention", "rms_norm", "apply_mrope"]
+__all__ = ["apply_mrope", "paged_decode_attention", "paged_prefill_attention",
+           "reshape_and_cache", "rms_norm", "varlen_attention"]

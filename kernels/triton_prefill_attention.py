@@ -7,41 +7,22 @@ in a sequence of seq_len tokens sits at position ``seq_len - q_len + i``:
     keys:    0 .................... prefix ......... | chunk (new) |
     query i:                                    sees keys <= seq_len - q_len + i
 
-Grid (B, H, cdiv(max_q_len, BLOCK_M)); keys are visited in tiles of BLOCK_N tokens, each
+Grid (H, cdiv(max_q_len, BLOCK_M), B), heads on the fastest-launched axis so the G heads
+of a KV group read the same K/V tiles from L2; keys are visited in tiles of BLOCK_N tokens, each
 token's cache row found through the block table, so BLOCK_N is independent of block_size.
 Vision attention is the same loop without the cache and without the causal mask.
-fp32 inputs (and every input under the interpreter) are computed in fp32 with IEEE dots
-(no TF32); fp16/bf16 on a GPU feed the tensor cores directly and accumulate in fp32.
+fp32 inputs (and every input under TRITON_INTERPRET=1, which computes bf16 wrongly) are
+computed in fp32 with IEEE dots (no TF32); fp16/bf16 on a GPU feed the tensor cores
+directly and accumulate in fp32.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST: tl.constexpr):
-    """One online-softmax step: fold a [BLOCK_N] key tile into (m, l, acc) of [BLOCK_M]
-    queries; ``keep`` masks the (query, key) pairs that may attend."""
-    # IEEE fp32 dots when upcasting (no TF32); fp16/bf16 operands go to the tensor cores.
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+from triptych.kernels.triton_common import (
+    attend_tile, check_cache, check_tensors, interpreting, pad_dim, require, upcast)
 
 
 @triton.jit
@@ -50,9 +31,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
                     stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    mt = tl.program_id(2)
+    h = tl.program_id(0)  # fastest-launched axis: a GQA group reads its K/V tiles together
+    mt = tl.program_id(1)
+    b = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if mt * BLOCK_M >= q_len:
@@ -82,7 +63,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         keep = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal
-        m_i, l_i, acc = _attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST)
+        m_i, l_i, acc = attend_tile(q, k, v, keep, m_i, l_i, acc, scale, UPCAST)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -92,9 +73,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, 
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride_h,
                    stride_ot, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    seg = tl.program_id(0)
-    h = tl.program_id(1)
-    mt = tl.program_id(2)
+    h = tl.program_id(0)
+    mt = tl.program_id(1)
+    seg = tl.program_id(2)
     start = tl.load(cu_ptr + seg)
     n = tl.load(cu_ptr + seg + 1) - start
     if mt * BLOCK_M >= n:
@@ -117,61 +98,88 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + ptr, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + ptr, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, scale, UPCAST)
+        m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, scale, UPCAST)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _upcast(q: torch.Tensor) -> bool:
-    """fp32 math for fp32 inputs and under the interpreter (which computes bf16 wrongly);
-    on a GPU fp16/bf16 operands go to the tensor cores as they are, accumulating in fp32."""
-    return q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+def _tiles(q: torch.Tensor, d_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: 16x16 (cheap tests). GPU:
+    tensor-core tiles sized so sm_90 needs no register spills (checked with the AOT compile,
+    ``cuobjdump --dump-resource-usage``); IEEE fp32 dots need far more registers."""
+    if interpreting():
+        return 16, 16, 4, 1
+    if q.dtype == torch.float32:
+        return (32, 32, 8, 2) if d_pad <= 128 else (16, 16, 8, 2)
+    return (64, 64, 4, 3) if d_pad <= 128 else (64, 32, 8, 2)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; caches [num_blocks, block_size, Hkv, D] already holding this chunk's
-    K/V; cu_seqlens_q [B+1]; seq_lens [B]. Returns [T, H, D] in q's dtype."""
+    """Causal attention of each query chunk over its cached prefix and itself.
+
+    q: [T, H, D] (chunks of B sequences, flattened); k_cache, v_cache: [num_blocks,
+    block_size, Hkv, D], already holding this chunk's K/V (``reshape_and_cache`` first);
+    block_tables: [B, max_blocks] int; cu_seqlens_q: [B+1] int; seq_lens: [B] int, context
+    length including the chunk. Returns [T, H, D] in q's dtype.
+    """
+    fn = "paged_prefill_attention"
+    check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                  {"block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
+                   "seq_lens": seq_lens})
+    check_cache(fn, k_cache, v_cache)
+    require(q.dim() == 3, f"{fn}: q must be [T, H, D], got {tuple(q.shape)}")
     t, h, d = q.shape
-    nb, bs, hkv, dk = k_cache.shape
+    _, bs, hkv, _ = k_cache.shape
     b = seq_lens.shape[0]
-    assert dk == d and h % hkv == 0 and cu_seqlens_q.shape == (b + 1,)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    assert q.device == k_cache.device == cu_seqlens_q.device == block_tables.device
+    require(q.dtype == k_cache.dtype, f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
+    require(k_cache.shape[3] == d and h % hkv == 0,
+            f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    require(seq_lens.dim() == 1 and cu_seqlens_q.shape == (b + 1,)
+            and block_tables.dim() == 2 and block_tables.shape[0] == b,
+            f"{fn}: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
+            f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} disagree on B")
     out = torch.empty_like(q)
-    if t == 0:
+    if t == 0 or b == 0:
         return out
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m, block_n = 16, 16
-    bt = block_tables.contiguous()
-    _prefill_kernel[(b, h, triton.cdiv(max_q, block_m))](
+    block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    _prefill_kernel[(h, triton.cdiv(max_q, block_m), b)](
         q, k_cache, v_cache, out, bt, cu_seqlens_q, seq_lens, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0), out.stride(0),
-        out.stride(1), G=h // hkv, D=d, D_PAD=max(triton.next_power_of_2(d), 16),
-        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q))
+        out.stride(1), G=h // hkv, D=d, D_PAD=pad_dim(d), BLOCK_SIZE=bs, BLOCK_M=block_m,
+        BLOCK_N=block_n, UPCAST=upcast(q), num_warps=warps, num_stages=stages)
     return out
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q/k/v: [T, H, D] (same strides); bidirectional attention within each cu_seqlens
-    segment (an image's patches, or one of Qwen2.5-VL's windows)."""
+    """Bidirectional attention within each cu_seqlens segment (an image's patches, or one
+    of Qwen2.5-VL's windows); no cache. q, k, v: [T, H, D]; cu_seqlens: [N+1] int.
+    Returns [T, H, D] in q's dtype."""
+    fn = "varlen_attention"
+    check_tensors(fn, {"q": q, "k": k, "v": v}, {"cu_seqlens": cu_seqlens})
+    require(q.dim() == 3 and k.shape == v.shape == q.shape,
+            f"{fn}: q/k/v must share one [T, H, D] shape, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}")
+    require(k.dtype == v.dtype == q.dtype, f"{fn}: q/k/v dtypes differ")
+    require(cu_seqlens.dim() == 1, f"{fn}: cu_seqlens must be [N+1]")
     t, h, d = q.shape
-    assert k.shape == v.shape == q.shape and q.device == k.device == cu_seqlens.device
-    if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
-        # The kernel takes one set of strides for q, k and v (they usually come as
-        # views of one qkv projection; after rotary they may not).
+    if q.stride() != k.stride() or q.stride() != v.stride():
+        # One set of strides serves q, k and v (they usually are views of one qkv
+        # projection; after rotary they may not be).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     n_seg = cu_seqlens.shape[0] - 1
-    if t == 0 or n_seg == 0:
+    if t == 0 or n_seg <= 0:
         return out
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    block_m, block_n = 16, 16
-    _varlen_kernel[(n_seg, h, triton.cdiv(max_len, block_m))](
+    block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
+    _varlen_kernel[(h, triton.cdiv(max_len, block_m), n_seg)](
         q, k, v, out, cu_seqlens, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        D=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=_upcast(q))
+        D=d, D_PAD=pad_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast(q),
+        num_warps=warps, num_stages=stages)
     return out

@@ -17,7 +17,8 @@ from triptych.kernels import resolve_backend, torch_ref
 
 triton = pytest.importorskip("triton")
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets the interpreter first"
-from triptych.kernels import triton_ops  # noqa: E402
+from triptych.kernels import triton_ops  # noqa: E402  (after the interpreter check)
+from triptych.kernels.triton_decode_attention import MAX_PARTITION, choose_partition  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -72,8 +73,36 @@ def test_decode_attention(h, hkv, dtype):
     close(triton_ops.paged_decode_attention(q, k, v, bt, sl, 0.25, partition_size=16), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_many_splits(dtype):
+    """19 partitions of 16 tokens: the reduce kernel merges them in two S_BLOCK chunks; the
+    shorter sequence's trailing splits are skipped by both kernels."""
+    k, v, bt, sl = paged_setup([300, 37], 2, 32, 16, dtype, seed=3)
+    q = torch.randn(2, 4, 32).to(dtype)
+    ref = torch_ref.paged_decode_attention(q, k, v, bt, sl, 32 ** -0.5)
+    close(triton_ops.paged_decode_attention(q, k, v, bt, sl, 32 ** -0.5, partition_size=16),
+          ref, dtype)
+
+
+def test_choose_partition():
+    """Split count follows the shape (H100: 132 SMs, 8 KV heads, 64-token tiles): few long
+    sequences split into many partitions, big batches keep partitions <= MAX_PARTITION,
+    no partition is shorter than two tiles."""
+    sms, bn = 132, 64
+    for b in (1, 8, 64, 256):
+        for ctx in (100, 512, 4096, 32768):
+            p = choose_partition(b, 8, ctx, bn, sms)
+            splits = -(-ctx // p)
+            assert p % bn == 0 and 2 * bn <= p <= max(MAX_PARTITION, 2 * bn)
+            # enough programs (4 per SM), unless that would cut partitions below two tiles
+            assert b * 8 * splits >= 4 * sms or p == 2 * bn or splits == -(-ctx // (2 * bn))
+    assert choose_partition(1, 8, 100, bn, sms) >= 100  # one split: no reduce launch
+    assert -(-32768 // choose_partition(1, 8, 32768, bn, sms)) * 8 >= 4 * sms
+    assert choose_partition(256, 8, 32768, bn, sms) == MAX_PARTITION
+
+
 @pytest.mark.parametrize("h,hkv", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_prefill_attention(h, hkv, dtype):
     # (context len, chunk len): fresh prompt, chunk after a cached prefix, a decode row,
     # and a chunk not aligned to the block size.
@@ -101,11 +130,13 @@ def test_torch_reference_equals_dense_sdpa():
     close(torch_ref.paged_decode_attention(qd, k, v, bt, sl, 0.25), dense_d, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reshape_and_cache(dtype):
     k_cache = torch.randn(6, 4, 2, 16).to(dtype)
     v_cache = torch.randn(6, 4, 2, 16).to(dtype)
-    key, value = torch.randn(5, 2, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
+    # key/value as strided views of one fused qkv projection, as the model passes them
+    qkv = torch.randn(5, 8, 16).to(dtype)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
     slots = torch.tensor([3, -1, 17, 22, 8])
     a = (k_cache.clone(), v_cache.clone())
     b = (k_cache.clone(), v_cache.clone())
@@ -114,7 +145,7 @@ def test_reshape_and_cache(dtype):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_varlen_attention(dtype):
     cu = torch.tensor([0, 1, 17, 40], dtype=torch.int32)
     q, k, v = (torch.randn(40, 2, 16).to(dtype) for _ in range(3))
@@ -130,19 +161,43 @@ def test_rms_norm(dtype):
     (a, ra), (b, rb) = triton_ops.rms_norm(x, w, 1e-6, r), torch_ref.rms_norm(x, w, 1e-6, r)
     close(a, b, dtype)
     close(ra, rb, dtype)
+    x3 = torch.randn(2, 3, 48).to(dtype)  # leading dims are flattened
+    close(triton_ops.rms_norm(x3, w, 1e-6), torch_ref.rms_norm(x3, w, 1e-6), dtype)
 
 
-def test_mrope():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mrope(dtype):
     d = 16
     inv = 1.0 / (100 ** (torch.arange(0, d, 2).float() / d))
     ang = torch.arange(64).float()[:, None] * inv[None, :]
     cache = torch.cat([ang.cos(), ang.sin()], -1)
     pos = torch.randint(0, 64, (3, 7))
-    q, k = torch.randn(7, 4, d), torch.randn(7, 2, d)
+    qkv = torch.randn(7, 8, d).to(dtype)
+    q, k = qkv[:, :4], qkv[:, 4:6]  # strided views, as the model passes them
     qa, ka = triton_ops.apply_mrope(q, k, pos, cache, [2, 3, 3])
     qb, kb = torch_ref.apply_mrope(q, k, pos, cache, [2, 3, 3])
-    close(qa, qb, torch.float32)
-    close(ka, kb, torch.float32)
+    close(qa, qb, dtype)
+    close(ka, kb, dtype)
+
+
+def test_wrappers_reject_bad_arguments(monkeypatch):
+    """Checks run before launch and raise ValueError (they survive python -O)."""
+    k, v, bt, sl = paged_setup([5], 2, 16, 4, torch.float32)
+    q = torch.randn(1, 4, 16)
+    with pytest.raises(ValueError, match="q is torch.float16 but the cache"):
+        triton_ops.paged_decode_attention(q.half(), k, v, bt, sl, 0.25)
+    with pytest.raises(ValueError, match="does not fit cache"):
+        triton_ops.paged_decode_attention(torch.randn(1, 3, 16), k, v, bt, sl, 0.25)
+    with pytest.raises(ValueError, match="int32/int64"):
+        triton_ops.paged_decode_attention(q, k, v, bt.float(), sl, 0.25)
+    with pytest.raises(ValueError, match="partition_size"):
+        triton_ops.paged_decode_attention(q, k, v, bt, sl, 0.25, partition_size=24)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_ops.reshape_and_cache(q[:, :2], q[:, :2], k.transpose(1, 2), v.transpose(1, 2),
+                                     torch.tensor([0]))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        triton_ops.rms_norm(q[0], torch.ones(16), 1e-6)
 
 
 def test_backend_resolution(monkeypatch):
@@ -190,6 +245,6 @@ def test_kernels_compile_for_h100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     r = subprocess.run([sys.executable, "-m", "triptych.kernels.compile_check", "--arch", "90"],
-                       env=env, capture_output=True, text=True, timeout=300)
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == 21 and "0 failed" in r.stdout
