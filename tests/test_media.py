@@ -1,6 +1,8 @@
 """Media sources and caps: SSRF guard, local-path containment, decoder limits."""
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import os
 import threading
@@ -11,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from triptych.api.media import MediaError, MediaLimits, load_image, load_video
+from triptych.api.media import (MediaError, MediaLimits, afetch_bytes, fetch_bytes, load_image,
+                                load_video)
 
 
 def png_bytes(w: int = 8, h: int = 8) -> bytes:
@@ -102,7 +105,111 @@ def test_decoder_caps():
     assert tiny.size == (1, 1)  # the processor resizes it up to its minimum
 
 
-def test_video_frames_sampled_and_capped():
-    frames = np.zeros((9, 16, 16, 3), np.uint8)
+def test_video_array_capped_to_an_even_count():
+    frames = np.arange(9, dtype=np.uint8)[:, None, None, None] * np.ones((1, 16, 16, 3), np.uint8)
     out, fps = load_video(frames, MediaLimits(max_video_frames=5))
-    assert out.shape[0] == 6 and fps == 2.0  # capped at 5, padded to an even count
+    # Never above the operator's cap: 5 rounds down to 4, spread over all 9 frames.
+    assert out.shape[0] == 4 and out[:, 0, 0, 0].tolist() == [0, 2, 4, 6] and fps == 2.0 * 4 / 9
+    out, fps = load_video(frames[:3], MediaLimits())
+    assert out[:, 0, 0, 0].tolist() == [0, 1, 2, 2] and fps == 2.0  # last frame repeated
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def make_video(seconds: float, fps: int = 10, size: int = 64) -> bytes:
+    """An mp4 whose frame i is a flat color with red = 10 * i (so samples can be told apart)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=fps)
+        s.width = s.height = size
+        s.pix_fmt = "yuv420p"
+        s.options = {"qscale": "2"}
+        for i in range(int(seconds * fps)):
+            rgb = np.full((size, size, 3), (10 * i % 250, 128, 64), np.uint8)
+            for pkt in s.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    return buf.getvalue()
+
+
+def test_data_url_round_trip():
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (12, 20, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    out = load_image(data_url(buf.getvalue()), MediaLimits())
+    assert out.mode == "RGB" and out.size == (20, 12) and out.tobytes() == img.tobytes()
+    rgba = Image.new("RGBA", (4, 4), (0, 0, 0, 0))  # transparent -> white, like HF
+    assert load_image(rgba, MediaLimits()).getpixel((0, 0)) == (255, 255, 255)
+
+
+@pytest.mark.parametrize("url, msg", [
+    ("data:image/png;base64,!!!not-base64!!!", "invalid base64"),
+    ("data:image/png,rawbytes", "base64-encoded"),
+    ("ftp://example.com/a.png", "unsupported media URL"),
+    ("relative/path.png", "unsupported media URL"),
+    ("http://user:pw@example.com/a.png", "malformed"),
+    ("http://example.com:99999/a.png", "malformed"),
+    ("http://example.com\\@127.0.0.1/a.png", "malformed"),  # parser-mismatch bait
+    ("http://exämple.com/a.png", "ASCII"),
+    ("file://example.com/etc/passwd", "local path"),
+    ("http://[::1]/a.png", "private"),
+    ("http://169.254.169.254/latest/meta-data/", "private"),  # cloud metadata
+])
+def test_refused_urls(url, msg):
+    with pytest.raises(MediaError, match=msg):
+        load_image(url, MediaLimits())
+
+
+def test_decompression_bomb_and_corrupt_bytes_refused():
+    buf = io.BytesIO()
+    Image.new("L", (5000, 5000)).save(buf, format="PNG")  # 25 MP in ~25 KB
+    assert len(buf.getvalue()) < 100_000
+    with pytest.raises(MediaError, match="pixel limit"):
+        load_image(data_url(buf.getvalue()), MediaLimits(max_image_pixels=4_000_000))
+    png = png_bytes(64, 64)
+    for bad in (png[: len(png) // 2], b"\x89PNG garbage", b"%!PS-Adobe-3.0 EPSF-3.0\n"):
+        with pytest.raises(MediaError, match="cannot decode image") as e:
+            load_image(data_url(bad), MediaLimits())
+        assert "0x" not in str(e.value) and "PIL" not in str(e.value)  # no internals echoed
+
+
+def test_video_decoded_and_sampled_over_its_length():
+    url = data_url(make_video(2.0), "video/mp4")
+    frames, fps = load_video(url, MediaLimits(video_fps=2.0))
+    # 2 s at 2 fps -> frames 0, 5, 10, 15 of the 10 fps source.
+    assert frames.shape == (4, 64, 64, 3) and frames.dtype == np.uint8 and fps == 2.0
+    reds = frames[:, 32, 32, 0].astype(int)
+    assert all(abs(r - 10 * i) <= 6 for r, i in zip(reds, (0, 5, 10, 15))), reds
+    frames, fps = load_video(url, MediaLimits(video_fps=2.0, max_video_frames=3))
+    assert frames.shape[0] == 2 and fps == 1.0  # capped: sampled more sparsely, still even
+    assert abs(int(frames[1, 32, 32, 0]) - 100) <= 6
+
+
+def test_bad_and_long_videos_refused():
+    with pytest.raises(MediaError, match="above the 1 s limit"):
+        load_video(data_url(make_video(2.0), "video/mp4"), MediaLimits(max_video_seconds=1.0))
+    with pytest.raises(MediaError, match="cannot decode video"):
+        load_video(data_url(b"\x00\x00\x00\x18ftypmp42" + b"\x01" * 200, "video/mp4"),
+                   MediaLimits())
+    with pytest.raises(MediaError, match="pixel limit"):
+        load_video(data_url(make_video(0.4), "video/mp4"), MediaLimits(max_image_pixels=1000))
+
+
+def test_ipv4_mapped_loopback_refused(http_root):
+    with pytest.raises(MediaError, match="private"):
+        load_image(f"http://[::ffff:127.0.0.1]:{http_root}/img.png", MediaLimits())
+
+
+def test_fetch_status_and_async_variant(http_root):
+    lim = MediaLimits(allow_private_addresses=True)
+    with pytest.raises(MediaError, match="HTTP status 404"):
+        fetch_bytes(f"http://127.0.0.1:{http_root}/missing.png", lim, 1000)
+    data = asyncio.run(afetch_bytes(f"http://localhost:{http_root}/img.png", lim, 1000))
+    assert data == png_bytes()
+    with pytest.raises(MediaError, match="private"):
+        asyncio.run(afetch_bytes(f"http://localhost:{http_root}/img.png", MediaLimits(), 1000))
