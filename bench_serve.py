@@ -77,7 +77,7 @@ async def _one(client: Any, url: str, body: dict) -> Result:
                 last = now
         res.latency = time.perf_counter() - t0
         res.ok = True
-    except Exception as e:  # a benchmark reports failures, it does not stop on them
+    except Exception as e:  # noqa: BLE001 (a benchmark reports failures, it does not stop on them)
         res.error = type(e).__name__
     return res
 
@@ -104,7 +104,10 @@ async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
-    ms = lambda xs, q=None: float(np.percentile(xs, q) * 1e3) if q else float(np.mean(xs) * 1e3)  # noqa: E731
+
+    def ms(xs: list[float], q: float | None = None) -> float:
+        return float((np.percentile(xs, q) if q else np.mean(xs)) * 1e3)
+
     ttft = [r.ttft for r in ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
@@ -133,14 +136,17 @@ def _plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finite = [r for r in results if math.isfinite(r["request_rate"])]
-    if not finite:
-        return
-    x = [r["request_rate"] for r in finite]
+    # "inf" (everything at once) is drawn one step right of the largest finite rate.
+    results = sorted(results, key=lambda r: r["request_rate"])
+    finite = [r["request_rate"] for r in results if math.isfinite(r["request_rate"])]
+    top = max(finite, default=1.0)
+    x = [r["request_rate"] if math.isfinite(r["request_rate"]) else top * 1.5 for r in results]
+    labels = [f"{r['request_rate']:g}" for r in results]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, name in zip(axes, ("ttft", "itl")):
         for q, style in (("mean", "o-"), ("p50", "s--"), ("p99", "^:")):
-            ax.plot(x, [r.get(f"{name}_{q}_ms", float("nan")) for r in finite], style, label=q)
+            ax.plot(x, [r.get(f"{name}_{q}_ms", float("nan")) for r in results], style, label=q)
+        ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{name.upper()} (ms)")
         ax.set_title(name.upper())

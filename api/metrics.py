@@ -2,7 +2,7 @@
 engine process's stats on each scrape, latency histograms measured in P0."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +21,9 @@ _COUNTERS = {  # name (without _total) -> (stats key, help)
     "encoder_cache_queries": ("encoder_cache_queries", "Images/videos looked up in the encoder cache"),
     "encoder_cache_hits": ("encoder_cache_hits", "Images/videos found in the encoder cache"),
 }
+_OPTIONAL_COUNTERS = {  # exported once the engine reports them (the disaggregated pools)
+    "kv_transfer_bytes": ("kv_transfer_bytes_total", "KV cache bytes moved between pools"),
+}
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -34,7 +37,8 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"triptych:{name}", doc)
             g.add_metric([], float(s.get(name, 0.0)))
             yield g
-        for name, (key, doc) in _COUNTERS.items():
+        optional = {k: v for k, v in _OPTIONAL_COUNTERS.items() if v[0] in s}
+        for name, (key, doc) in {**_COUNTERS, **optional}.items():
             c = CounterMetricFamily(f"triptych:{name}", doc)
             c.add_metric([], float(s.get(key, 0.0)))
             yield c

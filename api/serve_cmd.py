@@ -26,6 +26,8 @@ def add_parser(subparsers: Any) -> None:
                    help="model name clients must send (default: the model directory's name)")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests in flight beyond which new ones get 503 + Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                   help="largest request body (data URLs included); bigger ones get 413")
     p.add_argument("--allowed-domains", default=None,
                    help="comma-separated hosts media URLs may come from (exact match); such hosts "
                         "may resolve to private addresses")
@@ -45,7 +47,6 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-
     from triptych.api.engine_client import EngineClient
     from triptych.api.media import MediaLimits
     from triptych.api.processor import InputProcessor
@@ -73,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
         try:
             await client.start()
             from transformers import AutoConfig
-
             from triptych.engine.llm_engine import resolve_max_model_len
             hf = AutoConfig.from_pretrained(model, local_files_only=True)
             max_len = resolve_max_model_len(
@@ -81,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
             processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
                                        media_limits=limits, max_model_len=max_len)
             name = args.served_model_name or os.path.basename(os.path.normpath(model))
-            app = build_app(client, processor, name, max_len, args.max_pending_requests)
+            app = build_app(client, processor, name, max_len, args.max_pending_requests,
+                            args.max_request_bytes, on_shutdown=client.shutdown)
             server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                    log_level="info", timeout_graceful_shutdown=2))
             logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
             await server.serve()
-        finally:
+        finally:  # (a no-op when the lifespan already stopped it)
             await client.shutdown()
 
     asyncio.run(main())

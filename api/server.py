@@ -1,30 +1,36 @@
 """The OpenAI-compatible HTTP server (P0): FastAPI on uvicorn, engine in P1.
 
-Media fetching, decoding and the HF processor run in a thread pool, never on the event
-loop. Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) and name
-the problem without echoing internals.
+    request -> admit (bounded, else 503) -> media + HF processor (thread pool)
+            -> EngineClient.submit -> deltas -> JSON body or SSE chunks -> metrics
+
+Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) and name the
+problem without echoing internals. A client that goes away aborts its request in P1.
 """
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
 import time
-import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from triptych.api.engine_client import EngineClient, EngineDeadError
 from triptych.api.metrics import Metrics
+from triptych.api.middleware import BodyLimitMiddleware, RequestIdMiddleware, error_response
+from triptych.api.openai_format import Choice, Formatter, usage
 from triptych.api.processor import InputProcessor, ProcessedPrompt
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
+from triptych.engine import wire
 from triptych.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("triptych.api")
+DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request looks for a gone client
 
 
 class APIError(Exception):
@@ -35,38 +41,39 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-class RequestIdMiddleware:
-    """Echo the client's x-request-id (or a fresh one) on every response. Pure ASGI, so
-    streaming responses still see client disconnects."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
-        rid = (given.decode("latin-1")[:128] if given else uuid.uuid4().hex).encode("latin-1")
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(b"x-request-id", rid)]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
+_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "json_invalid"}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+def field_path(loc: tuple) -> str:
+    """pydantic's error location as the client's field path: union-member labels such as
+    ``list[tagged-union[...]]`` or ``URLRef`` dropped, the tag repeated by a tagged union
+    collapsed (``messages.0.content.0.image_url.url``)."""
+    parts: list[str] = []
+    for x in loc:
+        x = str(x)
+        if "[" in x or x in _TYPE_LABELS or x[:1].isupper() or (parts and parts[-1] == x):
+            continue
+        parts.append(x)
+    return ".".join(parts)
 
 
 def build_app(client: EngineClient, processor: InputProcessor, served_model: str,
-              max_model_len: int, max_pending: int) -> FastAPI:
-    app = FastAPI(title="triptych", docs_url=None, redoc_url=None)
-    metrics = Metrics(lambda: client.stats)
+              max_model_len: int, max_pending: int, max_body_bytes: int = 64 << 20,
+              on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """The app. ``on_shutdown`` runs when the server stops (uvicorn's lifespan), before
+    uvicorn re-raises the signal that stopped it: the place to stop the engine process."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            await on_shutdown()
+
+    app = FastAPI(title="triptych", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    metrics = Metrics(client.stats)
+    fmt = Formatter(processor.tokenizer, served_model)
+    preprocessing = 0  # requests in the media/processor stage (not yet in the client)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -75,18 +82,30 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
-        where = ".".join(str(x) for x in errs[0]["loc"]) if errs else None
-        msg = errs[0]["msg"] if errs else "invalid request"
-        return error_response(400, f"invalid request body: {where}: {msg}",
-                              "invalid_request_error", where)
+        if not errs:
+            return error_response(400, "invalid request body", "invalid_request_error")
+        err = max(errs, key=lambda x: len(x["loc"]))  # the deepest: the most specific
+        if err["type"] == "json_invalid":
+            return error_response(400, "the request body is not valid JSON",
+                                  "invalid_request_error")
+        where = field_path(err["loc"][1:])
+        msg = f"invalid request body: {where}: {err['msg']}" if where else \
+            f"invalid request body: {err['msg']}"
+        return error_response(400, msg, "invalid_request_error", where or None)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")  # the log gets the details; the client does not
+        return error_response(500, "internal server error", "server_error")
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = client.alive()
-        return JSONResponse({"status": "ok" if ok else "engine_dead",
-                             "pools": {"colocated": "ok" if ok else "dead"}},
+        pools = client.health()
+        ok = all(v == "ok" for v in pools.values())
+        return JSONResponse({"status": "ok" if ok else "engine_dead", "pools": pools},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -104,12 +123,21 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
             raise APIError(404, f"model {name!r} does not exist; this server serves "
                                 f"{served_model!r}", "not_found_error", "model")
 
-    def check_load() -> None:
-        if client.num_in_flight >= max_pending:
-            raise APIError(503, "the server is overloaded; retry shortly", "server_error",
-                           headers={"Retry-After": "1"})
+    async def admit_and_preprocess(fn: Any) -> ProcessedPrompt:
+        """The bounded queue: requests being preprocessed plus those in the engine."""
+        nonlocal preprocessing
         if not client.alive():
             raise APIError(503, "the engine is not running", "server_error")
+        if preprocessing + client.num_in_flight >= max_pending:
+            raise APIError(503, "the server is overloaded; retry shortly", "server_error",
+                           headers={"Retry-After": "1"})
+        preprocessing += 1
+        try:  # media fetching/decoding and the HF processor: off the event loop
+            return await anyio.to_thread.run_sync(fn)
+        except ValueError as e:  # MediaError included: its message is meant for clients
+            raise APIError(400, str(e)) from None
+        finally:
+            preprocessing -= 1  # NOTE: no await until submit() counts it in the client
 
     def sampling(body: Any, prompt_len: int, max_tokens: int | None, logprobs: int | None
                  ) -> SamplingParams:
@@ -124,154 +152,128 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def preprocess(fn: Any) -> ProcessedPrompt:
-        try:
-            return await anyio.to_thread.run_sync(fn)
-        except ValueError as e:  # MediaError included: its message is safe to show
-            raise APIError(400, str(e)) from None
-
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        arrival = time.monotonic()
         check_model(body.model)
-        check_load()
-        prompt = await preprocess(lambda: processor.process_chat(body.messages))
+        messages = body.message_dicts()
+        prompt = await admit_and_preprocess(lambda: processor.process_chat(messages))
         metrics.mm_cache_queries.inc(len(prompt.mm_items))
         top = (body.top_logprobs or 0) if body.logprobs else None
         sp = sampling(body, len(prompt.prompt_token_ids),
                       body.max_completion_tokens or body.max_tokens, top)
-        rid = client.new_request_id("chatcmpl")
-        return await respond(rid, prompt, sp, body, raw, chat=True)
+        return await respond(client.new_request_id("chatcmpl"), prompt, sp, body, raw, True,
+                             arrival)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
+        arrival = time.monotonic()
         check_model(body.model)
-        check_load()
-        prompt = await preprocess(lambda: processor.process_prompt(body.prompt))
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt_in = body.prompt
+        if isinstance(prompt_in, list) and prompt_in and isinstance(prompt_in[0], str):
+            if len(prompt_in) != 1:
+                raise APIError(400, "send one prompt per request (batched prompts are not "
+                                    "supported)", param="prompt")
+            prompt_in = prompt_in[0]
+        prompt = await admit_and_preprocess(lambda: processor.process_prompt(prompt_in))
         sp = sampling(body, len(prompt.prompt_token_ids), body.max_tokens or 16, body.logprobs)
-        rid = client.new_request_id("cmpl")
-        return await respond(rid, prompt, sp, body, raw, chat=False)
+        return await respond(client.new_request_id("cmpl"), prompt, sp, body, raw, False,
+                             arrival)
 
     async def respond(rid: str, prompt: ProcessedPrompt, sp: SamplingParams, body: Any,
-                      raw: Request, chat: bool) -> Any:
-        arrival = time.monotonic()
+                      raw: Request, chat: bool, arrival: float) -> Any:
         stream = client.submit(rid, prompt, sp)
         try:
             first = await stream.__anext__()
-        except ValueError as e:
+        except ValueError as e:  # the engine refused it (RequestError)
             raise APIError(400, str(e)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "server_error") from None
-        timing = {"arrival": arrival, "first": time.monotonic()}
+        timing = (arrival, time.monotonic())
         if body.stream:
-            return StreamingResponse(
-                sse(rid, first, stream, prompt, sp, body, raw, chat, timing),
-                media_type="text/event-stream")
-        return await collect(rid, first, stream, prompt, sp, chat, timing)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(rid, first, stream, sp, raw, chat, timing,
+                                         include_usage), media_type="text/event-stream")
+        return await collect(rid, first, stream, sp, raw, chat, timing)
 
-    def piece(rid: str, chat: bool, created: int, choices: list[dict],
-              usage: dict | None = None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-               "created": created, "model": served_model, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return f"data: {json.dumps(obj)}\n\n"
+    def observe(timing: tuple[float, float], ids_per_choice: list[int], reason: str | None
+                ) -> None:
+        metrics.observe_request(timing[0], timing[1], time.monotonic(),
+                                max(ids_per_choice, default=0), reason)
 
-    def usage_of(d: Any, n_out: int) -> dict:
-        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": n_out,
-                "total_tokens": d.num_prompt_tokens + n_out,
-                "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
-
-    def lp_content(c: Any) -> list[dict] | None:
-        if c.logprobs is None:
-            return None
-        tok = processor.tokenizer
-        out = []
-        for tid, lps in zip(c.token_ids, c.logprobs):
-            ranked = sorted(lps.items(), key=lambda kv: -kv[1])
-            out.append({"token": tok.decode([tid]), "logprob": lps.get(tid, ranked[0][1]),
-                        "top_logprobs": [{"token": tok.decode([t]), "logprob": v}
-                                         for t, v in ranked][:max(len(ranked) - 1, 1)]})
-        return out
-
-    async def sse(rid: str, first: Any, stream: AsyncIterator, prompt: ProcessedPrompt,
-                  sp: SamplingParams, body: Any, raw: Request, chat: bool,
-                  timing: dict) -> AsyncIterator[str]:
+    async def sse(rid: str, d: wire.RequestDelta, stream: AsyncIterator[wire.RequestDelta],
+                  sp: SamplingParams, raw: Request, chat: bool, timing: tuple[float, float],
+                  include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        n_out = 0
-        last = first
+        counts = [0] * sp.n
+        offsets = [0] * sp.n
         if chat:
-            yield piece(rid, chat, created, [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                              "finish_reason": None} for i in range(sp.n)])
-        d = first
+            yield fmt.sse(rid, created, chat, [{"index": i, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                                "logprobs": None, "finish_reason": None}
+                                               for i in range(sp.n)])
         try:
             while True:
-                choices = []
                 for c in d.completions:
-                    n_out += len(c.token_ids)
-                    ch: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
-                    if chat:
-                        ch["delta"] = {"content": c.text} if c.text else {}
-                        ch["logprobs"] = ({"content": lp_content(c)} if c.logprobs is not None
-                                          else None)
-                    else:
-                        ch["text"] = c.text
-                    choices.append(ch)
+                    counts[c.index] += len(c.token_ids)
+                choices = fmt.chunk_choices(d, chat, sp.logprobs, offsets)
                 if choices:
-                    yield piece(rid, chat, created, choices)
-                last = d
+                    yield fmt.sse(rid, created, chat, choices)
                 if d.finished:
                     break
                 if await raw.is_disconnected():
-                    break
-                d = await stream.__anext__()
+                    return  # (finally aborts it)
+                try:
+                    d = await stream.__anext__()
+                except (ValueError, EngineDeadError) as e:  # failed mid-way: say so, end
+                    status = 503 if isinstance(e, EngineDeadError) else 500
+                    yield fmt.sse_error(status, str(e), "server_error")
+                    yield "data: [DONE]\n\n"
+                    return
         finally:
             # A disconnect cancels this generator: shield the abort that frees the request
             # in P1 (its blocks, its seat) from that cancellation.
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
-        if last.finished:
-            metrics.observe_request(timing["arrival"], timing["first"], time.monotonic(),
-                                    n_out, "stop")
-            if body.stream_options and body.stream_options.include_usage:
-                yield piece(rid, chat, created, [], usage_of(last, n_out))
-            yield "data: [DONE]\n\n"
+        observe(timing, counts, d.completions[0].finish_reason if d.completions else None)
+        if include_usage:
+            yield fmt.sse(rid, created, chat, [], usage(d, sum(counts)))
+        yield "data: [DONE]\n\n"
 
-    async def collect(rid: str, first: Any, stream: AsyncIterator, prompt: ProcessedPrompt,
-                      sp: SamplingParams, chat: bool, timing: dict) -> dict:
-        texts = [""] * sp.n
-        ids: list[list[int]] = [[] for _ in range(sp.n)]
-        lps: list[list] = [[] for _ in range(sp.n)]
-        reasons: list[str | None] = [None] * sp.n
-        d = first
-        while True:
-            for c in d.completions:
-                texts[c.index] += c.text
-                ids[c.index] += c.token_ids
-                if c.logprobs is not None:
-                    lps[c.index] += c.logprobs
-                if c.finish_reason:
-                    reasons[c.index] = c.finish_reason
-            if d.finished:
-                break
-            d = await stream.__anext__()
-        n_out = sum(len(x) for x in ids)
-        metrics.observe_request(timing["arrival"], timing["first"], time.monotonic(), n_out,
-                                reasons[0])
-        choices = []
-        for i in range(sp.n):
-            if chat:
-                class _C:  # the shape lp_content reads
-                    token_ids, logprobs = ids[i], (lps[i] if sp.logprobs is not None else None)
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                "finish_reason": reasons[i],
-                                "logprobs": ({"content": lp_content(_C)}
-                                             if sp.logprobs is not None else None)})
-            else:
-                choices.append({"index": i, "text": texts[i], "finish_reason": reasons[i],
-                                "logprobs": None})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": served_model, "choices": choices,
-                "usage": usage_of(d, n_out)}
+    async def collect(rid: str, d: wire.RequestDelta, stream: AsyncIterator[wire.RequestDelta],
+                      sp: SamplingParams, raw: Request, chat: bool,
+                      timing: tuple[float, float]) -> Any:
+        choices = [Choice() for _ in range(sp.n)]
+        next_check = time.monotonic() + DISCONNECT_CHECK_S
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                for c in d.completions:
+                    choices[c.index].add(c)
+                if d.finished:
+                    break
+                pending = pending or asyncio.ensure_future(stream.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_CHECK_S)
+                if done:
+                    d, pending = pending.result(), None
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_CHECK_S
+                    if await raw.is_disconnected():
+                        logger.info("client gone; aborting %s", rid)
+                        return Response(status_code=499)  # nobody reads it
+        except ValueError as e:
+            raise APIError(500, str(e), "server_error") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "server_error") from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                if pending is not None:  # let the cancelled read unwind before closing
+                    pending.cancel()
+                    await asyncio.wait({pending})
+                await stream.aclose()  # aborts the request in P1 unless it finished
+        observe(timing, [len(c.token_ids) for c in choices], choices[0].finish_reason)
+        return fmt.whole(rid, int(time.time()), chat, choices, sp.logprobs, d)
 
     return app

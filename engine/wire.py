@@ -6,13 +6,14 @@ shape), validated before they are viewed. Nothing is pickled.
 """
 from __future__ import annotations
 
-import msgspec
-import numpy as np
-import torch
+import math
 
+import msgspec
+import torch
 from triptych.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 256 << 20  # one tensor frame at most
+MAX_MESSAGE_BYTES = 1 << 30  # one multipart message at most (ZMQ drops bigger ones)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -106,13 +107,16 @@ def tensor_from_frame(meta: TensorMeta, frame: bytes) -> torch.Tensor:
     """View a frame as a tensor after checking dtype, shape and byte length."""
     if meta.dtype not in _DTYPES:
         raise ValueError(f"unsupported tensor dtype {meta.dtype!r}")
-    if len(meta.shape) > 4 or any(not isinstance(s, int) or s < 0 for s in meta.shape):
+    if len(meta.shape) > 4 or any(type(s) is not int or s < 0 for s in meta.shape):
         raise ValueError("bad tensor shape")
     dtype = _DTYPES[meta.dtype]
-    n = int(np.prod(meta.shape)) if meta.shape else 1
-    if len(frame) != n * torch.tensor([], dtype=dtype).element_size() or len(frame) > MAX_FRAME_BYTES:
+    # NOTE: math.prod on Python ints cannot overflow (np.prod wraps around to 0 for a
+    # forged shape like [2**32, 2**32], which would then "match" an empty frame).
+    nbytes = math.prod(meta.shape) * torch.tensor([], dtype=dtype).element_size()
+    if nbytes > MAX_FRAME_BYTES or len(frame) != nbytes:
         raise ValueError("tensor frame size does not match its shape")
-    buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if nbytes else \
+        torch.empty(0, dtype=torch.uint8)
     return buf.view(dtype).view(meta.shape)
 
 

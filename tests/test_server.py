@@ -1,61 +1,35 @@
-"""The real server (`triptych serve` subprocess on 127.0.0.1) driven by the real openai SDK."""
+"""The real server (`triptych serve` subprocess on 127.0.0.1) driven by the real openai SDK:
+outputs equal the offline LLM's, sampling options, metrics, cancellation, overload,
+clean shutdown. Bad input: tests/test_server_bad_input.py."""
 from __future__ import annotations
 
-import base64
+import os
 import re
-import io
-import socket
-import subprocess
+import signal
 import sys
 import threading
 import time
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
-import av
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+from server_fixtures import (
+    ServerProc,
+    alive,
+    data_url,
+    file_server,
+    image_part,
+    img,
+    make_video,
+    png,
+    text_part,
+    user,
+    video_part,
+)
 
 openai = pytest.importorskip("openai")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_url(raw: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(raw).decode()
-
-
-def img(seed: int, w: int = 56, h: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def make_video(seconds: float, fps: int = 4, size: int = 56) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as c:
-        s = c.add_stream("mpeg4", rate=fps)
-        s.width = s.height = size
-        s.pix_fmt = "yuv420p"
-        for i in range(int(seconds * fps)):
-            arr = np.full((size, size, 3), (i * 37) % 256, dtype=np.uint8)
-            arr[:, : size // 2, 1] = 200
-            for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
+MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -66,47 +40,27 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def file_server(media_dir):
-    """A local HTTP server for the media-URL tests (127.0.0.1 only)."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0),
-                                partial(SimpleHTTPRequestHandler, directory=str(media_dir)))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+def files(media_dir):
+    httpd = file_server(media_dir)
     yield httpd.server_address[1]
     httpd.shutdown()
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, media_dir):
-    port = free_port()
-    cmd = [sys.executable, "-m", "triptych", "serve", "--model", tiny_qwen2_vl, "--port",
-           str(port), "--block-size", "4", "--max-model-len", "512",
-           "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
-           "--allowed-local-media-path", str(media_dir), "--max-image-pixels", "1000000",
-           "--max-video-seconds", "3", "--max-pending-requests", "2",
-           "--allowed-domains", "127.0.0.1", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        time.sleep(0.3)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
+    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
+                   "--block-size", "4", "--max-model-len", "512",
+                   "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                   "--allowed-local-media-path", str(media_dir), "--max-pending-requests", "2",
+                   "--allowed-domains", "127.0.0.1", "--served-model-name", "tiny")
+    yield s
+    s.stop()
+    s.cleanup_descendants()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -116,35 +70,33 @@ def offline(tiny_qwen2_vl, media_dir):
                allowed_local_media_path=str(media_dir))
 
 
-def offline_text(offline, messages, max_tokens: int = 6) -> str:
+def offline_text(offline, messages, max_tokens: int = MAX_TOKENS) -> str:
     from triptych import SamplingParams
     (out,) = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens),
                           use_tqdm=False)
     return out.outputs[0].text
 
 
-def user(*parts):
-    return [{"role": "user", "content": list(parts)}]
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def text_part(t: str) -> dict:
-    return {"type": "text", "text": t}
-
-
 def chat(client, messages, **kw):
-    kw.setdefault("max_tokens", 6)
-    return client.chat.completions.create(model="tiny", messages=messages, temperature=0, **kw)
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=messages, **kw)
 
 
-def test_models_and_health(client, server):
+def streamed_text(client, messages, **kw) -> str:
+    chunks = list(chat(client, messages, stream=True, **kw))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_models_health_and_request_ids(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    r = httpx.get(server + "/health", headers={"x-request-id": "abc"})
-    assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = httpx.get(server.base + "/health", headers={"x-request-id": "abc"})
+    assert r.status_code == 200 and r.json() == {"status": "ok", "pools": {"colocated": "ok"}}
     assert r.headers["x-request-id"] == "abc"
+    r = httpx.post(server.base + "/v1/chat/completions",
+                   json={"messages": user(text_part("hi")), "max_tokens": 1})
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32  # generated
+    assert r.json()["id"] != r.headers["x-request-id"]  # client ids are labels only
 
 
 def test_image_chat_equals_offline_stream_and_not(client, offline):
@@ -152,116 +104,136 @@ def test_image_chat_equals_offline_stream_and_not(client, offline):
     want = offline_text(offline, msgs)
     r = chat(client, msgs)
     assert r.choices[0].message.content == want
-    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 20
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens > 20
     chunks = list(chat(client, msgs, stream=True, stream_options={"include_usage": True}))
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed == want
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     usage = chunks[-1].usage
-    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.completion_tokens == MAX_TOKENS
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran just before
 
 
-def test_two_images_video_and_multi_turn(client, offline, media_dir):
+def test_two_images_video_and_three_turns_equal_offline(client, offline, media_dir):
     two = user(image_part(data_url(png(img(3, 84, 56)))), text_part("and"),
                image_part(f"file://{media_dir}/ok.png"), text_part("compare"))
-    assert chat(client, two).choices[0].message.content == offline_text(offline, two)
-    video = user({"type": "video_url", "video_url": {"url": data_url(make_video(1.0), "video/mp4")}},
-                 text_part("What happens?"))
-    assert chat(client, video).choices[0].message.content == offline_text(offline, video)
+    video = user(video_part(data_url(make_video(1.0), "video/mp4")), text_part("What happens?"))
     turns = user(image_part(data_url(png(img(4)))), text_part("Describe."))
-    turns.append({"role": "assistant", "content": "A picture."})
-    turns.append({"role": "user", "content": "What colour?"})
-    turns.append({"role": "assistant", "content": "Many."})
-    turns.append({"role": "user", "content": [text_part("And the shape?")]})
-    assert chat(client, turns).choices[0].message.content == offline_text(offline, turns)
+    turns += [{"role": "assistant", "content": "A picture."},
+              {"role": "user", "content": "What colour?"},
+              {"role": "assistant", "content": "Many."},
+              {"role": "user", "content": [text_part("And the shape?")]}]
+    for msgs in (two, video, turns):
+        want = offline_text(offline, msgs)
+        assert chat(client, msgs).choices[0].message.content == want
+        assert streamed_text(client, msgs) == want
 
 
 def test_completions_endpoint(client, offline):
-    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
-                                  temperature=0)
     from triptych import SamplingParams
     (want,) = offline.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5),
                                use_tqdm=False)
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                  temperature=0)
     assert r.choices[0].text == want.outputs[0].text
+    assert r.usage.completion_tokens == 5
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time",
+                                            max_tokens=5, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.outputs[0].text
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(len(t) == 2 and max(t.values()) == pytest.approx(v)
+               for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy = top-1
 
 
-BIG = Image.new("RGB", (1200, 1000))
+def test_sampling_options(client):
+    msgs = user(text_part("Pick words."))
+    r = chat(client, msgs, n=2, temperature=1.0, seed=7, max_completion_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 8
+    again = chat(client, msgs, n=2, temperature=1.0, seed=7, max_completion_tokens=4)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # streaming n=2 gives both indexes
+    texts = ["", ""]
+    for c in chat(client, msgs, n=2, temperature=1.0, seed=7, max_tokens=4, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in r.choices]
+    # stop strings end the text before the match
+    full = chat(client, msgs, max_tokens=8).choices[0].message.content
+    if len(full) > 3:
+        cut = chat(client, msgs, max_tokens=8, stop=[full[2:4]]).choices[0]
+        assert cut.finish_reason == "stop" and full.startswith(cut.message.content)
+        assert len(cut.message.content) <= 2
+    # logprobs: the greedy token is the top-1 and top_logprobs has the asked length
+    r = chat(client, msgs, logprobs=True, top_logprobs=3, max_tokens=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3
+    for tok in content:
+        assert len(tok.top_logprobs) == 3
+        assert tok.logprob == pytest.approx(tok.top_logprobs[0].logprob)
+        assert tok.token == tok.top_logprobs[0].token
+    streamed = [c for c in chat(client, msgs, logprobs=True, top_logprobs=1, max_tokens=3,
+                                stream=True) if c.choices and c.choices[0].logprobs]
+    assert sum(len(c.choices[0].logprobs.content) for c in streamed) == 3
 
 
-@pytest.mark.parametrize("name,messages,status", [
-    ("too many images", user(*[image_part(data_url(png(img(i)))) for i in range(3)]), 400),
-    ("too many pixels", user(image_part(data_url(png(BIG)))), 400),
-    ("corrupt image", user(image_part(data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 40))), 400),
-    ("truncated image", user(image_part(data_url(png(img(5))[:60]))), 400),
-    ("bad base64", user(image_part("data:image/png;base64,!!!notbase64")), 400),
-    ("ftp scheme", user(image_part("ftp://127.0.0.1/x.png")), 400),
-    ("outside allowed dir", user(image_part("file:///etc/hostname")), 400),
-    ("dotdot escape", None, 400),
-    ("private address", None, 400),
-    ("too long", [{"role": "user", "content": "word " * 600}], 400),
-    ("video too long", user({"type": "video_url",
-                             "video_url": {"url": data_url(make_video(5.0), "video/mp4")}}), 400),
-])
-def test_bad_input_gets_4xx_and_server_keeps_serving(client, media_dir, file_server, name,
-                                                     messages, status):
-    if name == "dotdot escape":
-        messages = user(image_part(f"{media_dir}/../../etc/hostname"))
-    if name == "private address":  # localhost is not on the allow-list (127.0.0.1 is)
-        messages = user(image_part(f"http://localhost:{file_server}/ok.png"))
-    with pytest.raises(openai.APIStatusError) as e:
-        chat(client, messages)
-    assert e.value.status_code == status
-    body = e.value.response.json()["error"]
-    assert body["message"] and not re.search(r"0x[0-9a-fA-F]{6,}", body["message"])
-    assert "Traceback" not in body["message"]
-    assert chat(client, user(text_part("still there?"))).choices[0].message.content is not None
-
-
-def test_allow_listed_url_is_fetched(client, offline, file_server, media_dir):
-    msgs = user(image_part(f"http://127.0.0.1:{file_server}/ok.png"), text_part("Look."))
+def test_allow_listed_url_is_fetched_but_not_other_loopback_names(client, offline, files,
+                                                                  media_dir):
+    msgs = user(image_part(f"http://127.0.0.1:{files}/ok.png"), text_part("Look."))
     local = user(image_part(f"file://{media_dir}/ok.png"), text_part("Look."))
     assert chat(client, msgs).choices[0].message.content == offline_text(offline, local)
+    with pytest.raises(openai.BadRequestError, match="allowed domains"):
+        chat(client, user(image_part(f"http://localhost:{files}/ok.png")))
 
 
-def test_unknown_model_and_malformed_json(client, server):
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=user(text_part("hi")), max_tokens=2)
-    r = httpx.post(server + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
-    assert r.status_code in (400, 422) and "error" in r.json()
-    r = httpx.post(server + "/v1/chat/completions", json={"messages": []})
-    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+# The tiny model is fast (a 460-token answer takes well under a second), so the requests
+# that get cut off ask for 64 completions: seconds of work, 64 running sequences.
+LONG = {"model": "tiny", "messages": user(text_part("Tell a long story.")), "n": 64,
+        "max_tokens": 460, "temperature": 0, "ignore_eos": True}
 
 
-def running(server) -> float:
-    text = httpx.get(server + "/metrics").text
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "triptych:num_requests_running":
-            return fam.samples[0].value
-    raise AssertionError("gauge missing")
+def assert_cut_short(server, before: dict[str, float]) -> None:
+    assert server.wait_running(0, 2.5) == 0  # the engine stopped and freed it
+    time.sleep(0.3)  # the last stats push
+    after = server.metrics()
+    made = after["triptych:generation_tokens_total"] - before["triptych:generation_tokens_total"]
+    assert 0 < made < 64 * 460
+    assert after["triptych:kv_cache_usage_perc"] == 0 or after[
+        "triptych:kv_cache_usage_perc"] <= before["triptych:kv_cache_usage_perc"]
 
 
-def test_disconnect_frees_the_request(server):
-    body = {"model": "tiny", "messages": user(text_part("Tell a long story.")), "stream": True,
-            "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=30) as r:
+def test_disconnect_mid_stream_frees_the_request(server):
+    before = server.metrics()
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json={**LONG, "stream": True},
+                      timeout=30) as r:
         lines = r.iter_lines()
         for _ in range(4):
             next(lines)
-    # Gone mid-stream: the engine must stop and free it.
-    deadline = time.time() + 3
-    while time.time() < deadline and running(server) != 0:
-        time.sleep(0.1)
-    assert running(server) == 0
+        assert server.wait_running(64, 2) == 64
+    assert_cut_short(server, before)  # gone mid-stream
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/chat/completions", json=LONG, timeout=1.0)
+    assert_cut_short(server, before)
 
 
 def test_overload_gets_503_with_retry_after(server):
-    # --max-pending-requests 2: of 8 simultaneous long requests some must be turned away.
-    body = {"model": "tiny", "messages": user(text_part("Go on.")), "max_tokens": 400,
+    # --max-pending-requests 2: of 8 simultaneous requests some must be turned away.
+    body = {"model": "tiny", "messages": user(text_part("Go on.")), "max_tokens": 460,
             "temperature": 0, "ignore_eos": True}
     results: list[httpx.Response] = []
+    barrier = threading.Barrier(8)
 
     def send() -> None:
-        results.append(httpx.post(server + "/v1/chat/completions", json=body, timeout=60))
+        barrier.wait()
+        results.append(httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60))
 
     threads = [threading.Thread(target=send) for _ in range(8)]
     for t in threads:
@@ -269,32 +241,66 @@ def test_overload_gets_503_with_retry_after(server):
     for t in threads:
         t.join()
     codes = sorted(r.status_code for r in results)
-    assert 200 in codes and 503 in codes, codes
-    assert set(codes) == {200, 503}
-    assert all(r.headers["retry-after"] == "1" for r in results if r.status_code == 503)
+    assert set(codes) == {200, 503}, codes
+    for r in results:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and "overloaded" in r.json()["error"]["message"]
 
 
 def test_metrics_parse_and_move(client, server):
-    def values() -> dict[str, float]:
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(server + "/metrics").text):
-            for s in fam.samples:
-                out.setdefault(s.name, s.value)
-        return out
-
-    before = values()
+    before = server.metrics()
     chat(client, user(text_part("count me")))
     time.sleep(0.6)  # engine stats arrive every 0.25 s
-    after = values()
+    after = server.metrics()
     for name in ("triptych:num_requests_running", "triptych:num_requests_waiting",
                  "triptych:kv_cache_usage_perc", "triptych:num_preemptions_total",
                  "triptych:prompt_tokens_total", "triptych:generation_tokens_total",
                  "triptych:time_to_first_token_seconds_count",
                  "triptych:time_per_output_token_seconds_count",
                  "triptych:e2e_request_latency_seconds_count",
-                 "triptych:prefix_cache_hits_total", "triptych:encoder_cache_queries_total"):
+                 "triptych:prefix_cache_hits_total", "triptych:prefix_cache_queries_total",
+                 "triptych:encoder_cache_hits_total", "triptych:encoder_cache_queries_total",
+                 "triptych:mm_processor_cache_hits_total",
+                 "triptych:mm_processor_cache_queries_total",
+                 "triptych:request_success_total"):
         assert name in after, name
-    assert after["triptych:generation_tokens_total"] >= before.get(
-        "triptych:generation_tokens_total", 0) + 6
-    assert after["triptych:e2e_request_latency_seconds_count"] == \
-        before["triptych:e2e_request_latency_seconds_count"] + 1
+    assert after["triptych:generation_tokens_total"] >= \
+        before["triptych:generation_tokens_total"] + MAX_TOKENS
+    assert after["triptych:prompt_tokens_total"] > before["triptych:prompt_tokens_total"]
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+              "time_per_output_token_seconds"):
+        assert after[f"triptych:{h}_count"] == before[f"triptych:{h}_count"] + 1, h
+    chat(client, user(image_part(data_url(png(img(9)))), text_part("x")))
+    assert server.metrics()["triptych:mm_processor_cache_queries_total"] == \
+        after["triptych:mm_processor_cache_queries_total"] + 1
+
+
+def test_shutdown_is_clean(server):
+    """Runs last: SIGTERM stops the server, and every process it started goes with it."""
+    assert server.descendants and all(alive(p) for p in server.descendants)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down (after our lifespan).
+    assert server.stop() in (0, -signal.SIGTERM)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(alive(p) for p in server.descendants):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in server.descendants)
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "Application shutdown complete" in log
+    (sockets,) = re.findall(r"sockets in (\S+)", log)
+    assert not os.path.exists(sockets)
+
+
+def test_no_model_serves_a_demo_checkpoint_built_on_first_use(tmp_path):
+    s = ServerProc(None, tmp_path / "serve.log", "--max-model-len", "256",
+                   env={"TRIPTYCH_CACHE": str(tmp_path / "cache")})
+    try:
+        log = s.log_path.read_text()
+        assert "building tiny qwen2_vl checkpoint" in log and "demo checkpoint" in log
+        (model,) = httpx.get(s.base + "/v1/models").json()["data"]
+        r = httpx.post(s.base + "/v1/chat/completions", json={
+            "model": model["id"], "max_tokens": 2,
+            "messages": user(image_part(data_url(png(img(3)))), text_part("Hi"))})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()
+        s.cleanup_descendants()

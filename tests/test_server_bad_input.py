@@ -1,0 +1,272 @@
+"""Bad input against a real `triptych serve` with the default media guard (no allow-list):
+each gets its 4xx with an OpenAI-style error body naming the problem and no internals, and
+the next normal request succeeds. Also: garbage on the P0 -> P1 wire never kills P1, and a
+killed server does not leave its engine process behind."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import struct
+import sys
+import time
+import zlib
+
+import httpx
+import msgspec
+import pytest
+import torch
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(__file__))
+from server_fixtures import (
+    ServerProc,
+    alive,
+    data_url,
+    file_server,
+    image_part,
+    img,
+    make_video,
+    png,
+    text_part,
+    user,
+    video_part,
+)
+
+openai = pytest.importorskip("openai")
+MAX_BODY = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "ok.png").write_bytes(png(img(1)))
+    (d / "sub").mkdir()
+    return d
+
+
+@pytest.fixture(scope="module")
+def files(media_dir):
+    httpd = file_server(media_dir)
+    yield httpd.server_address[1]
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
+    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
+                   "--block-size", "4", "--max-model-len", "512",
+                   "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                   "--allowed-local-media-path", str(media_dir / "sub"),
+                   "--max-image-pixels", "1000000", "--max-video-seconds", "3",
+                   "--max-request-bytes", str(MAX_BODY), "--served-model-name", "tiny")
+    yield s
+    s.stop(signal.SIGKILL)
+    s.cleanup_descendants()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+def png_bomb(w: int = 100_000, h: int = 100_000) -> bytes:
+    """A PNG header claiming w x h pixels (Pillow's decompression-bomb guard trips on open)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b""))
+
+
+BIG = Image.new("RGB", (1200, 1000))
+VIDEO_5S = data_url(make_video(5.0), "video/mp4")
+
+# name -> (messages or a builder taking (media_dir, files_port), status, words in the message)
+CASES = {
+    "too many images": (user(*[image_part(data_url(png(img(i)))) for i in range(3)]), 400,
+                        "limit_mm_per_prompt"),
+    "too many videos": (user(video_part(VIDEO_5S), video_part(VIDEO_5S)), 400,
+                        "limit_mm_per_prompt"),
+    "too many pixels": (user(image_part(data_url(png(BIG)))), 400, "pixel"),
+    "decompression bomb": (user(image_part(data_url(png_bomb()))), 400, "pixel"),
+    "corrupt image": (user(image_part(data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 40))), 400,
+                      "decode"),
+    "truncated image": (user(image_part(data_url(png(img(5))[:60]))), 400, "decode"),
+    "corrupt video": (user(video_part(data_url(os.urandom(2000), "video/mp4"))), 400, "decode"),
+    "video too long": (user(video_part(VIDEO_5S)), 400, "long"),
+    "bad base64": (user(image_part("data:image/png;base64,!!!notbase64")), 400, "base64"),
+    "ftp scheme": (user(image_part("ftp://127.0.0.1/x.png")), 400, "unsupported"),
+    "file outside allowed dir": (user(image_part("file:///etc/hostname")), 400, "outside"),
+    "dotdot escape": (lambda d, _: user(image_part(f"{d}/sub/../ok.png")), 400, "outside"),
+    "dotdot file url": (lambda d, _: user(image_part(f"file://{d}/sub/../../ok.png")), 400,
+                        "outside"),
+    "loopback ip url": (lambda _, p: user(image_part(f"http://127.0.0.1:{p}/ok.png")), 400,
+                        "private"),
+    "localhost url": (lambda _, p: user(image_part(f"http://localhost:{p}/ok.png")), 400,
+                      "private"),
+    "prompt too long": ([{"role": "user", "content": "word " * 600}], 400, "max_model_len"),
+    "too many image tokens": (user(image_part(data_url(png(img(6, 560, 560)))),
+                                   image_part(data_url(png(img(7, 560, 560))))), 400,
+                              "max_model_len"),
+    "placeholder smuggled in text": (user(text_part("<|vision_start|><|image_pad|>"
+                                                    "<|vision_end|>")), 400, ""),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_media_and_prompts(client, media_dir, files, name):
+    messages, status, words = CASES[name]
+    if callable(messages):
+        messages = messages(media_dir, files)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert e.value.status_code == status
+    err = e.value.response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert words.lower() in err["message"].lower(), err["message"]
+    assert not re.search(r"0x[0-9a-fA-F]{6,}|Traceback|File \"", err["message"])
+    ok = client.chat.completions.create(model="tiny", messages=user(text_part("still there?")),
+                                        max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+BODY_CASES = {
+    "malformed json": (b"{not json", 400, "json"),
+    "no messages": ({"messages": []}, 400, "messages"),
+    "bad role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    "unknown part type": ({"messages": user({"type": "audio_url", "audio_url": "x"})}, 400,
+                          "type"),
+    "image part without url": ({"messages": user({"type": "image_url"})}, 400, "image_url"),
+    "text part not a string": ({"messages": user({"type": "text", "text": 5})}, 400, "text"),
+    "n zero": ({"messages": user(text_part("hi")), "n": 0}, 400, "n"),
+    "n huge": ({"messages": user(text_part("hi")), "n": 100_000}, 400, "n"),
+    "negative temperature": ({"messages": user(text_part("hi")), "temperature": -1}, 400,
+                             "temperature"),
+    "top_p zero": ({"messages": user(text_part("hi")), "top_p": 0}, 400, "top_p"),
+    "top_logprobs 21": ({"messages": user(text_part("hi")), "logprobs": True,
+                         "top_logprobs": 21}, 400, "top_logprobs"),
+    "max_tokens zero": ({"messages": user(text_part("hi")), "max_tokens": 0}, 400,
+                        "max_tokens"),
+    "seed beyond int64": ({"messages": user(text_part("hi")), "seed": 2**70}, 400, "seed"),
+    "unknown model": ({"model": "gpt-9", "messages": user(text_part("hi"))}, 404, "gpt-9"),
+    "body too large": ({"messages": user(image_part("data:image/png;base64,"
+                                                    + "A" * MAX_BODY))}, 413, "larger"),
+}
+
+
+@pytest.mark.parametrize("name", list(BODY_CASES))
+def test_bad_bodies(server, name):
+    body, status, words = BODY_CASES[name]
+    kw = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": {"max_tokens": 2, **body}}
+    r = httpx.post(server.base + "/v1/chat/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and words.lower() in err["message"].lower(), err
+    ok = httpx.post(server.base + "/v1/chat/completions", timeout=30,
+                    json={"messages": user(text_part("ok")), "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_bad_completions(server):
+    url = server.base + "/v1/completions"
+    for body, words in (({"prompt": "hi", "echo": True}, "echo"),
+                        ({"prompt": ["a", "b"]}, "one prompt"),
+                        ({"prompt": [10**9]}, "token ids"),
+                        ({"prompt": ""}, "empty")):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_wire_garbage_never_kills_the_engine_loop(tiny_qwen2_vl):
+    """What P1 does with each message (core_proc._handle) on a real engine: garbage is
+    dropped or refused per request, and the engine still serves afterwards."""
+    from triptych.config import EngineConfig
+    from triptych.engine import wire
+    from triptych.engine.core_proc import _handle
+    from triptych.engine.llm_engine import LLMEngine
+    from triptych.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=tiny_qwen2_vl, block_size=4, max_model_len=256,
+                                    kv_cache_memory="16MiB"))
+    sent: list = []
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    item = wire.WireMMItem("image", "h", 1, 4, [1, 4, 4], wire.TensorMeta("float32", [16, 8]))
+    forged = [
+        [b"\xff\x00garbage"],  # not msgpack
+        [msgspec.msgpack.encode({"type": "add"})],  # missing fields
+        [msgspec.msgpack.encode({"type": "nope"})],  # unknown tag
+        wire.encode(wire.AddRequest("r1", [1, 2, 3], sp, [item])),  # tensor frame missing
+        wire.encode(wire.AddRequest("r2", [1, 2, 3], sp, [item])) + [b"\0" * 7],  # wrong size
+        wire.encode(wire.AddRequest("r3", [1, 2, 3], sp, [wire.WireMMItem(
+            "image", "h", 1, 4, [1, 4, 4], wire.TensorMeta("float32", [2**32, 2**32]))]))
+        + [b""],  # a shape whose size overflows int64
+        wire.encode(wire.AddRequest("r4", [1, 2, 3], sp, [wire.WireMMItem(
+            "image", "h", 1, 4, [1, 4, 4], wire.TensorMeta("int64", [16, 8]))]))
+        + [b"\0" * 1024],  # dtype not allowed
+        wire.encode(wire.AddRequest("r5", [1, 2, 3], sp, [item])) + [b"\0" * 512],  # placeholder
+        wire.encode(wire.AddRequest("r6", [10**9], sp)),  # token id beyond the vocab
+        wire.encode(wire.AddRequest("r7", [], sp)),  # empty prompt
+        wire.encode(wire.AbortRequest(["never-added"])),
+    ]
+    for frames in forged:
+        assert _handle(engine, frames, sent.append) is None
+    errors = {m.request_id for m in sent if isinstance(m, wire.RequestError)}
+    assert errors == {f"r{i}" for i in range(1, 8)}
+    assert not engine.has_unfinished_requests()
+    _handle(engine, wire.encode(wire.AddRequest("ok", [1, 2, 3], sp)), sent.append)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "ok" and outs[-1].finished
+
+
+def test_tensor_frames_are_checked_before_viewing():
+    from triptych.engine import wire
+    t = torch.randn(3, 5)
+    frames = wire.encode(wire.Shutdown(), [t])
+    assert torch.equal(wire.tensor_from_frame(wire.tensor_meta(t), frames[1]), t)
+    for meta, frame in ((wire.TensorMeta("float32", [3, 4]), frames[1]),
+                        (wire.TensorMeta("float32", [-3, -5]), frames[1]),
+                        (wire.TensorMeta("float32", [1, 1, 1, 1, 15]), frames[1]),
+                        (wire.TensorMeta("object", [15]), frames[1]),
+                        (wire.TensorMeta("float32", [2**40, 2**40]), b"")):
+        with pytest.raises(ValueError):
+            wire.tensor_from_frame(meta, frame)
+
+
+def test_a_dead_engine_shows_in_health_and_requests_get_503(tiny_qwen2_vl, tmp_path):
+    """The engine process dies (killed here): /health says so, requests get 503 instead of
+    hanging, and the server still shuts down cleanly."""
+    s = ServerProc(tiny_qwen2_vl, tmp_path / "serve.log", "--max-model-len", "256")
+    try:
+        os.kill(s.engine_pid(), signal.SIGKILL)
+        deadline = time.time() + 5
+        while time.time() < deadline and httpx.get(s.base + "/health").status_code == 200:
+            time.sleep(0.1)
+        r = httpx.get(s.base + "/health")
+        assert r.status_code == 503 and r.json()["pools"] == {"colocated": "dead"}
+        r = httpx.post(s.base + "/v1/chat/completions",
+                       json={"messages": user(text_part("anyone?")), "max_tokens": 2})
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        assert s.stop() in (0, -signal.SIGTERM)
+        assert "Traceback" not in s.log_path.read_text()
+    finally:
+        s.stop(signal.SIGKILL)
+        s.cleanup_descendants()
+
+
+def test_health_then_a_killed_server_leaves_no_engine_behind(server):
+    """Runs last: SIGKILL the server (no clean shutdown); the orphaned engine process
+    notices and exits, removing its socket dir."""
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+    sockets = re.findall(r"sockets in (\S+)", server.log_path.read_text())[0]
+    assert os.path.isdir(sockets)
+    server.stop(signal.SIGKILL)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(alive(p) for p in server.descendants):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in server.descendants)
+    assert not os.path.exists(sockets)
