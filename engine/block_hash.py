@@ -9,9 +9,9 @@ placeholder span overlaps a block's token range goes into that block's hash.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import msgspec
-
 from triptych.engine.request import Request
 
 _enc = msgspec.msgpack.Encoder()
@@ -21,16 +21,21 @@ def hash_block(parent: bytes | None, token_ids: list[int], mm_hashes: list[str])
     return hashlib.sha256(_enc.encode((parent or b"", token_ids, mm_hashes))).digest()
 
 
+def chain_hashes(tokens: list[int], items: list[Any], block_size: int,
+                 hashes: list[bytes] | None = None) -> list[bytes]:
+    """Hashes of every full block of ``tokens``, extending the chain ``hashes`` (in place
+    when given). ``items``: anything with ``offset``, ``end`` and ``mm_hash``."""
+    hashes = [] if hashes is None else hashes
+    for i in range(len(hashes), len(tokens) // block_size):
+        s, e = i * block_size, (i + 1) * block_size
+        mm = [it.mm_hash for it in items if it.offset < e and it.end > s]
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[s:e], mm))
+    return hashes
+
+
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Append hashes for the request's full blocks that have none yet.
 
     Only blocks of tokens whose ids are known are hashed (prompt + sampled outputs).
     """
-    tokens = request.all_token_ids
-    num_full = len(tokens) // block_size
-    hashes = request.block_hashes
-    items = request.mm_items
-    for i in range(len(hashes), num_full):
-        s, e = i * block_size, (i + 1) * block_size
-        mm = [it.mm_hash for it in items if it.offset < e and it.end > s]
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[s:e], mm))
+    chain_hashes(request.all_token_ids, request.mm_items, block_size, request.block_hashes)

@@ -43,6 +43,23 @@ class IncrementalDetokenizer:
             return self._find_stop(start)
         return None
 
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append many ids with one decode (no stop strings: a completion nobody read while
+        it grew). Gives the text ``add_token`` one by one would: a trailing character that
+        is still incomplete (U+FFFD) is held back."""
+        assert not self.stop, "stop strings need add_token"
+        all_ids = self._ctx + self.ids + list(token_ids)
+        self.ids += token_ids
+        base = self._decode(all_ids[self.prefix_offset:self.read_offset])
+        end = len(all_ids)
+        full = self._decode(all_ids[self.prefix_offset:end])
+        while end > self.read_offset and full.endswith("\ufffd"):
+            end -= 1
+            full = self._decode(all_ids[self.prefix_offset:end])
+        if end > self.read_offset and len(full) > len(base):
+            self.text += full[len(base):]
+            self.prefix_offset, self.read_offset = self.read_offset, end
+
     def _find_stop(self, start: int) -> str | None:
         for s in self.stop:
             i = self.text.find(s, start)

@@ -1,7 +1,12 @@
-"""OutputProcessor: sampled tokens -> text, stop strings, logprobs, RequestOutputs.
+"""OutputProcessor: token ids from the engine core -> text, stop strings, RequestOutputs.
 
-A request with ``n > 1`` runs as n child requests (ids ``rid#i``) grouped under one
-parent; callers only ever see the parent id.
+It runs where the client is (the API process, or in-process for the offline ``LLM``), so
+workers only ever handle token ids: detokenization is off the model's critical path, and
+a request that moves to another worker keeps its text state here.
+
+A request with ``n > 1`` runs as n child requests (ids ``rid#i``) in the engine; callers
+only ever see the parent id. Text is decoded incrementally only when someone reads it as
+it grows (streams) or it must be searched (stop strings); otherwise once, at the end.
 """
 from __future__ import annotations
 
@@ -10,20 +15,55 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triptych.engine.detokenizer import IncrementalDetokenizer
-from triptych.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from triptych.engine.request import Request
+from triptych.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from triptych.engine.sampling_params import SamplingParams
+
+
+def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The engine-core requests of one client request: n single completions, seeds spread."""
+    if params.n == 1:
+        return [(request_id, params)]
+    fields = {f: getattr(params, f) for f in params.__struct_fields__}
+    return [(f"{request_id}#{i}",
+             SamplingParams(**{**fields, "n": 1,
+                               "seed": None if params.seed is None else params.seed + i}))
+            for i in range(params.n)]
+
+
+@dataclass
+class _Child:
+    request_id: str
+    detok: IncrementalDetokenizer
+    incremental: bool  # decode as tokens arrive (stream / stop strings) or once at the end
+    want_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # token ids already reported in a delta
+    finish_sent: bool = False  # the finish reason was reported (once per completion)
 
 
 @dataclass
 class _Parent:
     request_id: str
     prompt: str | None
-    children: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    logprobs: list[list[dict[int, Logprob]]]
-    cum_logprob: list[float]
-    sent_tokens: list[int]  # per child: token ids already reported
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
 
 
 class OutputProcessor:
@@ -32,71 +72,127 @@ class OutputProcessor:
         self.parents: dict[str, _Parent] = {}
         self._child: dict[str, tuple[_Parent, int]] = {}
 
-    def add(self, rid: str, prompt: str | None, children: list[Request],
-            detoks: list[IncrementalDetokenizer]) -> None:
-        k = len(children)
-        p = _Parent(rid, prompt, children, detoks, [[] for _ in range(k)], [0.0] * k, [0] * k)
-        self.parents[rid] = p
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, stream: bool = True,
+            arrival_time: float | None = None) -> list[tuple[str, SamplingParams]]:
+        """Register a client request; returns the (child id, params) pairs to run."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        kids = child_requests(request_id, params)
+        children = []
+        for cid, sp in kids:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sp.stop,
+                                           sp.skip_special_tokens,
+                                           sp.include_stop_str_in_output)
+            children.append(_Child(cid, detok, stream or bool(detok.stop),
+                                   sp.logprobs is not None))
+        p = _Parent(request_id, prompt, list(prompt_token_ids), children,
+                    RequestMetrics(arrival_time or time.monotonic()))
+        self.parents[request_id] = p
         for i, c in enumerate(children):
             self._child[c.request_id] = (p, i)
+        return kids
 
-    def children(self, rid: str) -> list[Request]:
-        p = self.parents.get(rid)
-        return list(p.children) if p else []
+    def child_ids(self, request_id: str) -> list[str]:
+        p = self.parents.get(request_id)
+        return [c.request_id for c in p.children] if p else []
 
-    def drop(self, rid: str) -> None:
-        p = self.parents.pop(rid, None)
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self._child.get(child_id)
+        return entry[0].request_id if entry else None
+
+    def token_ids(self, child_id: str) -> list[int]:
+        """Output tokens a child has produced so far (to resume it elsewhere)."""
+        p, i = self._child[child_id]
+        return list(p.children[i].token_ids)
+
+    def drop(self, request_id: str) -> None:
+        p = self.parents.pop(request_id, None)
         for c in p.children if p else ():
             self._child.pop(c.request_id, None)
 
-    def on_tokens(self, produced: list[Request],
-                  logprobs: dict[str, dict[int, float] | None]) -> list[Request]:
-        """Detokenize new tokens; return requests that hit a stop string."""
-        stopped = []
+    # -- the flow -------------------------------------------------------------------------
+    def process(self, outs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's core outputs. Returns the outputs of the client requests that
+        advanced, and the child ids the engine must abort (they hit a stop string)."""
+        touched: dict[str, _Parent] = {}
+        to_abort: list[str] = []
         now = time.monotonic()
-        for req in produced:
-            p, i = self._child[req.request_id]
-            if p.metrics.first_token_time is None:
+        for out in outs:
+            entry = self._child.get(out.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            p, i = entry
+            c = p.children[i]
+            if c.finish_reason is not None:
+                continue
+            touched.setdefault(p.request_id, p)
+            if p.metrics.first_token_time is None and out.new_token_ids:
                 p.metrics.first_token_time = now
-            tok = req.output_token_ids[-1]
-            lp = logprobs.get(req.request_id)
-            if lp is not None:
-                ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-                p.logprobs[i].append({t: Logprob(v, r + 1, self.tokenizer.decode([t]))
-                                      for r, (t, v) in enumerate(ranked)})
-                p.cum_logprob[i] += lp[tok]
-            hit = p.detoks[i].add_token(tok)
-            if hit is not None and not req.finished:
-                req.stop_reason = hit
-                stopped.append(req)
-        return stopped
+            if i == 0 and out.num_cached_tokens:
+                p.num_cached_tokens = out.num_cached_tokens
+            if self._add_tokens(c, out) and out.finish_reason is None:
+                to_abort.append(c.request_id)  # a stop string: the engine need not go on
+            if out.finish_reason is not None and c.finish_reason is None:
+                c.finish_reason = out.finish_reason
+                c.stop_reason = out.stop_reason
+                if out.error:
+                    p.error = out.error
+        return [self._output(p) for p in touched.values()], to_abort
 
-    def collect(self, produced: list[Request]) -> list[RequestOutput]:
-        parents: dict[str, _Parent] = {}
-        for req in produced:  # several children of one parent can produce in one step
-            p, _ = self._child[req.request_id]
-            parents.setdefault(p.request_id, p)
-        return [self._output(p) for p in parents.values()]
+    def finish(self, request_id: str, reason: str, error: str | None = None
+               ) -> RequestOutput | None:
+        """End every unfinished child of a request from outside the engine (abort, a dead
+        worker that cannot be replaced)."""
+        p = self.parents.get(request_id)
+        if p is None:
+            return None
+        for c in p.children:
+            if c.finish_reason is None:
+                c.finish_reason = reason
+        p.error = error or p.error
+        return self._output(p)
+
+    def _add_tokens(self, c: _Child, out: EngineCoreOutput) -> bool:
+        """Append tokens (and logprobs); True when a stop string ended the completion."""
+        for k, tok in enumerate(out.new_token_ids):
+            c.token_ids.append(tok)
+            if c.want_logprobs and out.new_logprobs is not None:
+                lp = out.new_logprobs[k]
+                ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+                c.logprobs.append({t: Logprob(v, r + 1, self.tokenizer.decode([t]))
+                                   for r, (t, v) in enumerate(ranked)})
+                c.cum_logprob += lp[tok]
+            if c.incremental:
+                hit = c.detok.add_token(tok)
+                if hit is not None:
+                    c.finish_reason, c.stop_reason = "stop", hit
+                    return True
+        return False
 
     def _output(self, p: _Parent) -> RequestOutput:
         comps = []
-        for i, (c, d) in enumerate(zip(p.children, p.detoks)):
-            finished = c.finished
-            ids = list(c.output_token_ids)
-            delta_ids = ids[p.sent_tokens[i]:]
-            p.sent_tokens[i] = len(ids)
+        for i, c in enumerate(p.children):
+            finished = c.finish_reason is not None
+            if finished and not c.incremental:
+                c.detok.add_tokens(c.token_ids)  # the only decode of this completion
+                c.incremental = True
+            delta_ids = c.token_ids[c.sent_tokens:]
+            c.sent_tokens = len(c.token_ids)
+            finished_now = finished and not c.finish_sent
+            c.finish_sent = finished
             comps.append(CompletionOutput(
-                index=i, text=d.text, token_ids=ids,
-                cumulative_logprob=p.cum_logprob[i] if c.sampling_params.logprobs is not None else None,
-                logprobs=p.logprobs[i] if c.sampling_params.logprobs is not None else None,
-                finish_reason=c.status.finish_reason if finished else None,
-                stop_reason=c.stop_reason, text_delta=d.pop_delta(finished),
-                token_ids_delta=delta_ids))
-        done = all(c.finished for c in p.children)
-        p.metrics.num_generation_tokens = sum(len(c.output_token_ids) for c in p.children)
+                index=i, text=c.detok.text, token_ids=list(c.token_ids),
+                cumulative_logprob=c.cum_logprob if c.want_logprobs else None,
+                logprobs=list(c.logprobs) if c.want_logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                text_delta=c.detok.pop_delta(finished) if c.incremental else "",
+                token_ids_delta=delta_ids, finished_now=finished_now))
+        done = p.finished
+        p.metrics.num_generation_tokens = sum(len(c.token_ids) for c in p.children)
         if done:
             p.metrics.finished_time = time.monotonic()
             self.drop(p.request_id)
-        first = p.children[0]
-        return RequestOutput(p.request_id, p.prompt, first.prompt_token_ids, comps, done,
-                             num_cached_tokens=first.num_cached_tokens, metrics=p.metrics)
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, comps, done,
+                             num_cached_tokens=p.num_cached_tokens, metrics=p.metrics,
+                             error=p.error)

@@ -3,6 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a worker reports for one request after a step: token ids, never text.
+
+    The API process turns these into text (detokenization, stop strings) and responses."""
+
+    request_id: str  # the core request (a child id ``rid#i`` when the client asked n > 1)
+    new_token_ids: list[int]  # tokens sampled this step (one, or none when it failed)
+    new_logprobs: list[dict[int, float]] | None = None  # per new token: top ids (+ sampled)
+    finish_reason: str | None = None  # stop | length | abort | error | handoff
+    stop_reason: int | None = None  # the stop token id that finished it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # safe for clients: why it ended with "error"
+
 
 @dataclass
 class Logprob:
@@ -22,6 +38,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id / string that ended it
     text_delta: str = ""  # text added since the previous output of this request (streaming)
     token_ids_delta: list[int] = field(default_factory=list)  # ids added since then
+    finished_now: bool = False  # this output is the first to carry its finish_reason
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -21,6 +21,8 @@ class MMItem:
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the spatial merge
     pixel_values: torch.Tensor | None = None  # [t*h*w, C*tps*ps*ps]; None once encoded/cached
     second_per_grid_t: float | None = None  # video only (Qwen2.5-VL temporal M-RoPE)
+    embedding: torch.Tensor | None = None  # [length, hidden]: computed by an encode worker
+    # and carried by the request (so no cache eviction can take it away mid-prefill)
 
     @property
     def end(self) -> int:
@@ -68,6 +70,7 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
+    num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
 
     @property
     def num_prompt_tokens(self) -> int:

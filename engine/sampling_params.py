@@ -1,7 +1,11 @@
 """SamplingParams: vLLM's field names, so existing scripts and configs carry over."""
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+_INT64 = 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -27,6 +31,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.verify()
 
     def verify(self) -> None:
+        # NOTE: NaN passes every `<` check; a NaN temperature used to reach the sampler and
+        # fail the whole batch. Every float must be finite, every int fit the wire (int64).
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and not -_INT64 - 1 <= v <= _INT64:
+                raise ValueError(f"{name} is out of range")
+        if any(not 0 <= t <= _INT64 for t in self.stop_token_ids or []):
+            raise ValueError("stop_token_ids must be non-negative token ids")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:

@@ -52,8 +52,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_prefilled_request(self, request: Request, block_ids: list[int]) -> None:
-        """Admit a request whose prompt KV already sits in ``block_ids`` (KV import)."""
-        assert request.num_computed_tokens == request.num_prompt_tokens
+        """Admit a request whose KV (all but its last token) already sits in ``block_ids``
+        (KV import: the prefill side computed the prompt and sampled the last token)."""
+        assert request.num_computed_tokens == request.num_tokens - 1
         blocks = [self.kv.pool.blocks[i] for i in block_ids]
         assert all(b.ref_cnt > 0 for b in blocks), "imported blocks must be allocated first"
         self.kv.req_blocks[request.request_id] = blocks
@@ -168,7 +169,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         status = self._stop_status(req, tok)
-        if status is None and req.hand_off_after_prefill and req.num_output_tokens == 1:
+        if (status is None and req.hand_off_after_prefill
+                and req.num_output_tokens == req.num_resumed_tokens + 1):
             return RequestStatus.FINISHED_HANDED_OFF
         return status
 
