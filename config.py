@@ -46,7 +46,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
     tensor_parallel_size: int = 1  # ranks sharing each layer's weights (only 1 is supported yet)
-    data_parallel_size: int = 1  # engine replicas (only 1 is supported yet)
+    data_parallel_size: int = 1  # colocated engine replicas (worker processes) behind one router
+    encode_workers: int = 0  # encode pool size (vision tower); 0: the prefill (or decode) workers encode
+    prefill_workers: int = 0  # prefill pool size; 0 with decode_workers > 0: decode workers prefill too (E+PD)
+    decode_workers: int = 0  # decode pool size; all three 0: the colocated engine
+    kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | inproc | shm | tcp (auto: shm on one host)
+    kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
     mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks (takes effect with tensor_parallel_size > 1, not supported yet)
     mm_processor_cache_gb: float = 4.0  # processor cache size (0 disables; reserved: the P0/P1 processor cache is not built yet)
     mm_processor_cache_type: str = "lru"  # lru (P0 keys, P1 data) | shm (shared-memory ring); reserved, see mm_processor_cache_gb
@@ -65,6 +70,25 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.mm_encoder_tp_mode not in ("weights", "data"):
             raise ValueError(f"mm_encoder_tp_mode must be 'weights' or 'data', got {self.mm_encoder_tp_mode!r}")
+        for name in ("data_parallel_size", "encode_workers", "prefill_workers", "decode_workers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative integer")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be at least 1")
+        if self.prefill_workers and not self.decode_workers:
+            raise ValueError("prefill_workers needs decode_workers > 0 (the prefill pool hands "
+                             "its KV to the decode pool)")
+        if self.encode_workers and not self.decode_workers:
+            raise ValueError("encode_workers needs decode_workers > 0 (use encode_workers=E, "
+                             "decode_workers=D for E+PD, plus prefill_workers=P for E+P+D)")
+        if self.decode_workers and self.data_parallel_size != 1:
+            raise ValueError("data_parallel_size replicates the colocated engine; with pools, "
+                             "size each pool instead (encode_workers, prefill_workers, "
+                             "decode_workers)")
+        if self.kv_transfer not in ("auto", "inproc", "shm", "tcp"):
+            raise ValueError(f"kv_transfer must be auto, inproc, shm or tcp, got {self.kv_transfer!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError("kv_transfer_timeout must be positive")
         if self.mm_processor_cache_type not in ("lru", "shm"):
             raise ValueError(f"mm_processor_cache_type must be 'lru' or 'shm', got {self.mm_processor_cache_type!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -20,6 +20,9 @@ _COUNTERS = {  # name (without _total) -> (stats key, help)
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     "encoder_cache_queries": ("encoder_cache_queries", "Images/videos looked up in the encoder cache"),
     "encoder_cache_hits": ("encoder_cache_hits", "Images/videos found in the encoder cache"),
+    "worker_restarts": ("worker_restarts_total", "Worker processes restarted by the supervisor"),
+    "request_migrations": ("request_migrations_total",
+                           "Requests moved to another worker after theirs died"),
 }
 _OPTIONAL_COUNTERS = {  # exported once the engine reports them (the disaggregated pools)
     "kv_transfer_bytes": ("kv_transfer_bytes_total", "KV cache bytes moved between pools"),
@@ -42,6 +45,13 @@ class _EngineCollector:
             c = CounterMetricFamily(f"triptych:{name}", doc)
             c.add_metric([], float(s.get(key, 0.0)))
             yield c
+        # Per pool (router stats keys "pool/<name>/<key>"), labelled like vLLM's engine label.
+        pools = sorted({k.split("/")[1] for k in s if k.startswith("pool/")})
+        for name, doc in {**_GAUGES, "workers_live": "Live workers in the pool"}.items():
+            g = GaugeMetricFamily(f"triptych:pool_{name}", f"{doc}, per pool", labels=["pool"])
+            for pool in pools:
+                g.add_metric([pool], float(s.get(f"pool/{pool}/{name}", 0.0)))
+            yield g
 
 
 class Metrics:

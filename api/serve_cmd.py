@@ -47,7 +47,6 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from triptych.api.engine_client import EngineClient
     from triptych.api.media import MediaLimits
     from triptych.api.processor import InputProcessor
     from triptych.api.server import build_app
@@ -70,16 +69,17 @@ def run(args: argparse.Namespace) -> int:
         allow_private_addresses=args.allow_private_media_urls)
 
     async def main() -> None:
-        client = EngineClient(config)
+        from transformers import AutoConfig
+        from triptych.api.router import Router
+        from triptych.engine.engine_core import resolve_max_model_len
+        hf = AutoConfig.from_pretrained(model, local_files_only=True)
+        max_len = resolve_max_model_len(
+            config, getattr(hf, "text_config", hf).max_position_embeddings)
+        processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
+                                   media_limits=limits, max_model_len=max_len)
+        client = Router(config, processor.tokenizer)
         try:
             await client.start()
-            from transformers import AutoConfig
-            from triptych.engine.llm_engine import resolve_max_model_len
-            hf = AutoConfig.from_pretrained(model, local_files_only=True)
-            max_len = resolve_max_model_len(
-                config, getattr(hf, "text_config", hf).max_position_embeddings)
-            processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
-                                       media_limits=limits, max_model_len=max_len)
             name = args.served_model_name or os.path.basename(os.path.normpath(model))
             app = build_app(client, processor, name, max_len, args.max_pending_requests,
                             args.max_request_bytes, on_shutdown=client.shutdown)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (P0): FastAPI on uvicorn, engine in P1.
 
     request -> admit (bounded, else 503) -> media + HF processor (thread pool)
-            -> EngineClient.submit -> deltas -> JSON body or SSE chunks -> metrics
+            -> Router.submit -> deltas -> JSON body or SSE chunks -> metrics
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) and name the
 problem without echoing internals. A client that goes away aborts its request in P1.
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from triptych.api.engine_client import EngineClient, EngineDeadError
+from triptych.api.router import EngineDeadError, Router
 from triptych.api.metrics import Metrics
 from triptych.api.middleware import BodyLimitMiddleware, RequestIdMiddleware, error_response
 from triptych.api.openai_format import Choice, Formatter, usage
@@ -57,7 +57,7 @@ def field_path(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def build_app(client: EngineClient, processor: InputProcessor, served_model: str,
+def build_app(client: Router, processor: InputProcessor, served_model: str,
               max_model_len: int, max_pending: int, max_body_bytes: int = 64 << 20,
               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """The app. ``on_shutdown`` runs when the server stops (uvicorn's lifespan), before
@@ -103,10 +103,8 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        pools = client.health()
-        ok = all(v == "ok" for v in pools.values())
-        return JSONResponse({"status": "ok" if ok else "engine_dead", "pools": pools},
-                            status_code=200 if ok else 503)
+        h = client.health()  # degraded (some workers down, every pool served) is still 200
+        return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -184,7 +182,7 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
 
     async def respond(rid: str, prompt: ProcessedPrompt, sp: SamplingParams, body: Any,
                       raw: Request, chat: bool, arrival: float) -> Any:
-        stream = client.submit(rid, prompt, sp)
+        stream = client.submit(rid, prompt, sp, stream=bool(body.stream))
         try:
             first = await stream.__anext__()
         except ValueError as e:  # the engine refused it (RequestError)
@@ -249,15 +247,18 @@ def build_app(client: EngineClient, processor: InputProcessor, served_model: str
         next_check = time.monotonic() + DISCONNECT_CHECK_S
         pending: asyncio.Future | None = None
         try:
+            fresh = True  # d not yet added (a wait that times out brings no new delta)
             while True:
-                for c in d.completions:
-                    choices[c.index].add(c)
+                if fresh:
+                    for c in d.completions:
+                        choices[c.index].add(c)
+                    fresh = False
                 if d.finished:
                     break
                 pending = pending or asyncio.ensure_future(stream.__anext__())
                 done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_CHECK_S)
                 if done:
-                    d, pending = pending.result(), None
+                    d, pending, fresh = pending.result(), None, True
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + DISCONNECT_CHECK_S
                     if await raw.is_disconnected():

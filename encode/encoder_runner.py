@@ -32,6 +32,9 @@ class EncoderRunner:
         for it in items:
             if it.mm_hash in out or it.mm_hash in missing:
                 continue
+            if it.embedding is not None:  # encoded elsewhere (the encode pool)
+                out[it.mm_hash] = it.embedding
+                continue
             self.cache.num_queries += 1
             emb = self.cache.get(it.mm_hash)
             if emb is None:

@@ -1,8 +1,22 @@
-"""The P0 (API server) <-> P1 (engine process) contract: msgspec Structs over ZMQ.
+"""The router (P0) <-> worker contract: msgspec Structs over ZMQ, tensors as raw frames.
 
 A message is a multipart ZMQ message: frame 0 is the msgpack-encoded Struct, the
 following frames are raw tensor bytes described by ``TensorMeta`` entries in it (dtype,
-shape), validated before they are viewed. Nothing is pickled.
+shape), validated before they are viewed. Nothing is pickled. Each side decodes with a
+decoder fixed to the union it accepts, so a peer cannot make it build any other type.
+
+    router --ToWorker-->  worker     AddRequest / EncodeRequest / ReserveKV / AbortRequest /
+                                     Shutdown
+    router <--FromWorker-- worker    Hello / StepOutputs / RequestError / WorkerStats /
+                                     KVReserved / EncodeDone / NeedEmbeddings / HandBack
+    worker --DataMsg--> worker       EmbeddingTransfer (encode -> prefill) / KVTransfer
+                                     (prefill -> decode), through a connector (connector/)
+
+Addresses a worker connects to (a peer's data address) come from the router, which took
+them from the peers' Hello messages: never from a client.
+
+``RequestDelta`` / ``CompletionDelta`` are what the router hands the HTTP layer (text per
+completion); they stay inside the API process.
 """
 from __future__ import annotations
 
@@ -10,10 +24,12 @@ import math
 
 import msgspec
 import torch
+from triptych.engine.outputs import EngineCoreOutput
 from triptych.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 256 << 20  # one tensor frame at most
 MAX_MESSAGE_BYTES = 1 << 30  # one multipart message at most (ZMQ drops bigger ones)
+MAX_TENSOR_DIMS = 6
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,33 +44,129 @@ class WireMMItem(msgspec.Struct, frozen=True):
     offset: int  # first placeholder token in prompt_token_ids
     length: int  # placeholder tokens
     grid_thw: list[int]  # (t, h, w) patch grid
-    pixels: TensorMeta  # pixel_values, in the frame at this item's index + 1
+    pixels: TensorMeta | None = None  # pixel_values in the next unused frame; None: the
+    # worker already holds the embedding (or it arrives from an encode worker)
     second_per_grid_t: float | None = None  # video only
 
 
+# -- router -> worker ---------------------------------------------------------------------------
+class KVDest(msgspec.Struct, frozen=True):
+    """Where a prefill worker sends a request's KV (from the decode worker's KVReserved)."""
+
+    worker: str  # the decode worker's name (logs, metrics)
+    address: str  # its data-plane address (router-made, from its Hello)
+    num_blocks: int  # blocks of the request's KV the decode worker reserved in all
+    num_cached_blocks: int  # leading blocks its prefix cache already holds: not sent
+
+
 class AddRequest(msgspec.Struct, tag="add"):
-    request_id: str  # server-made id (client ids are labels only)
+    request_id: str  # router-made id (client ids are labels only, never sent here)
     prompt_token_ids: list[int]  # expanded prompt
-    params: SamplingParams  # validated sampling params
-    mm_items: list[WireMMItem] = []  # items, tensors in the following frames, in order
-    prompt: str | None = None  # prompt text, for the output only
+    params: SamplingParams  # one completion (n == 1): the router fans n out
+    mm_items: list[WireMMItem] = []  # items; tensors in the following frames, in order
+    output_token_ids: list[int] = []  # tokens already streamed (a request resumed here
+    # after its worker died): recomputed, never emitted again
+    kv_dest: KVDest | None = None  # prefill worker: stop after one new token, send the KV here
+
+
+class EncodeRequest(msgspec.Struct, tag="encode"):
+    request_id: str  # the request the items belong to (for errors and logs)
+    mm_items: list[WireMMItem]  # items to encode, pixels in the following frames
+    dest_address: str  # data address of the worker that prefills the request
+
+
+class ReserveKV(msgspec.Struct, tag="reserve"):
+    """Decode worker: hold blocks for a request whose KV a prefill worker will send."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # expanded prompt (the decode worker re-validates it)
+    params: SamplingParams
+    mm_items: list[WireMMItem] = []  # placeholder ranges and hashes only (no pixels)
+    output_token_ids: list[int] = []  # tokens streamed before (a resumed request)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
     request_ids: list[str]  # requests to stop and free
 
 
-class StatsRequest(msgspec.Struct, tag="stats"):
-    pass
-
-
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToEngine = AddRequest | AbortRequest | StatsRequest | Shutdown
+ToWorker = AddRequest | EncodeRequest | ReserveKV | AbortRequest | Shutdown
 
 
+# -- worker -> router ---------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello"):
+    worker_id: str  # the name the supervisor gave it (pool-index), plus its incarnation
+    pool: str  # colocated | encode | prefill | decode
+    pid: int  # for /health and the supervisor
+    max_model_len: int  # what this worker accepts
+    num_kv_blocks: int  # its KV cache size (0 for encode workers)
+    data_address: str = ""  # its connector endpoint (pools), where peers send data
+    encoder_cache_bytes: int = 0  # embedding bytes it can keep (router's encode routing)
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]  # one step's token outputs
+
+
+class RequestError(msgspec.Struct, tag="error"):
+    request_id: str  # the request the worker refused
+    message: str  # safe for the client: names the problem, no internals
+
+
+class WorkerStats(msgspec.Struct, tag="stats"):
+    values: dict[str, float]  # EngineCore.stats() gauges and counters (also a heartbeat)
+
+
+class KVReserved(msgspec.Struct, tag="reserved"):
+    request_id: str  # blocks are held for it (lease: kv_transfer_timeout)
+    num_blocks: int  # blocks reserved in all (prompt + resumed tokens)
+    num_cached_blocks: int  # leading blocks found in its prefix cache: not to be sent
+
+
+class EncodeDone(msgspec.Struct, tag="encoded"):
+    request_id: str
+    mm_hashes: list[str]  # embeddings sent to the destination
+
+
+class NeedEmbeddings(msgspec.Struct, tag="need"):
+    request_id: str  # a prefill-side worker lacks these embeddings (evicted): encode again
+    mm_hashes: list[str]
+
+
+class HandBack(msgspec.Struct, tag="handback"):
+    """A decode worker gives a request back (preempted and not recomputable here: its
+    images' embeddings live elsewhere); the router re-runs it from these tokens."""
+
+    request_id: str
+    output_token_ids: list[int]  # every output token so far
+
+
+FromWorker = (Hello | StepOutputs | RequestError | WorkerStats | KVReserved | EncodeDone
+              | NeedEmbeddings | HandBack)
+
+
+# -- worker -> worker (data plane, through a connector) -----------------------------------------
+class EmbeddingTransfer(msgspec.Struct, tag="emb"):
+    request_id: str  # the request that needs it
+    mm_hash: str  # key of the embedding; tensor 0: [rows, hidden]
+
+
+class KVTransfer(msgspec.Struct, tag="kv"):
+    """A run of a request's KV blocks; tensor 0: [num_layers, 2, n, block_size, Hkv, D]."""
+
+    request_id: str
+    first_block: int  # index (in the request's block list) of the first block carried
+    final: bool = False  # the last chunk: every block has been sent
+    first_token: int = -1  # with final: the token the prefill worker sampled
+
+
+DataMsg = EmbeddingTransfer | KVTransfer
+
+
+# -- inside the API process: router -> HTTP layer ------------------------------------------------
 class CompletionDelta(msgspec.Struct):
     index: int  # which of the n completions
     text: str  # text added since the last delta
@@ -72,42 +184,36 @@ class RequestDelta(msgspec.Struct, tag="delta"):
     num_cached_tokens: int  # prompt tokens served from the prefix cache
 
 
-class RequestError(msgspec.Struct, tag="error"):
-    request_id: str  # the request the engine refused
-    message: str  # safe for the client: names the problem, no internals
-
-
-class EngineStats(msgspec.Struct, tag="stats"):
-    values: dict[str, float]  # LLMEngine.stats() gauges and counters
-
-
-FromEngine = RequestDelta | RequestError | EngineStats
-
 _enc = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
-_from_engine = msgspec.msgpack.Decoder(FromEngine)
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
 
 
 def encode(msg: msgspec.Struct, tensors: list[torch.Tensor] | None = None) -> list[bytes]:
-    frames = [_enc.encode(msg)]
+    """Frames of one message. Raises ValueError for values that cannot travel (ints
+    beyond 64 bits, ...): the caller refuses that request only."""
+    try:
+        frames = [_enc.encode(msg)]
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        raise ValueError(f"the request has a value that cannot be sent: {e}") from None
     for t in tensors or []:  # raw bytes (bf16 has no numpy dtype: go through uint8)
         frames.append(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return frames
 
 
-def decode_to_engine(frames: list[bytes]) -> ToEngine:
-    return _to_engine.decode(frames[0])
+def decode_to_worker(frames: list[bytes]) -> ToWorker:
+    return _to_worker.decode(frames[0])
 
 
-def decode_from_engine(frame: bytes) -> FromEngine:
-    return _from_engine.decode(frame)
+def decode_from_worker(frame: bytes) -> FromWorker:
+    return _from_worker.decode(frame)
 
 
-def tensor_from_frame(meta: TensorMeta, frame: bytes) -> torch.Tensor:
+def tensor_from_frame(meta: TensorMeta, frame: bytes | memoryview) -> torch.Tensor:
     """View a frame as a tensor after checking dtype, shape and byte length."""
     if meta.dtype not in _DTYPES:
         raise ValueError(f"unsupported tensor dtype {meta.dtype!r}")
-    if len(meta.shape) > 4 or any(type(s) is not int or s < 0 for s in meta.shape):
+    if len(meta.shape) > MAX_TENSOR_DIMS or any(type(s) is not int or s < 0 for s in meta.shape):
         raise ValueError("bad tensor shape")
     dtype = _DTYPES[meta.dtype]
     # NOTE: math.prod on Python ints cannot overflow (np.prod wraps around to 0 for a

@@ -151,10 +151,15 @@ class ServerProc:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
+    def worker_pids(self) -> dict[str, int]:
+        """Live worker processes by "<pool>-<index>" (from /health)."""
+        h = httpx.get(self.base + "/health", timeout=5).json()
+        return {f"{pool}-{w['index']}": w["pid"] for pool, p in h["pools"].items()
+                for w in p["workers"] if w["state"] == "up"}
+
     def engine_pid(self) -> int:
-        """The engine process (P1) among the server's descendants."""
-        (pid,) = [p for p in self.descendants
-                  if b"triptych.engine.core_proc" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        """The colocated engine worker (P1) of a single-worker server."""
+        (pid,) = self.worker_pids().values()
         return pid
 
     def metrics(self) -> dict[str, float]:

@@ -91,7 +91,10 @@ def streamed_text(client, messages, **kw) -> str:
 def test_models_health_and_request_ids(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     r = httpx.get(server.base + "/health", headers={"x-request-id": "abc"})
-    assert r.status_code == 200 and r.json() == {"status": "ok", "pools": {"colocated": "ok"}}
+    h = r.json()
+    assert r.status_code == 200 and h["status"] == "ok"
+    (w,) = h["pools"]["colocated"]["workers"]
+    assert h["pools"]["colocated"]["live"] == 1 and w["state"] == "up" and w["pid"] > 0
     assert r.headers["x-request-id"] == "abc"
     r = httpx.post(server.base + "/v1/chat/completions",
                    json={"messages": user(text_part("hi")), "max_tokens": 1})

@@ -1,0 +1,170 @@
+"""Supervisor (P0): starts every worker process, watches it, restarts it with backoff.
+
+    spawn(worker)   python -m triptych.<pool>.worker, WorkerSpec as JSON on stdin (no pickle)
+    watch()         every WATCH_INTERVAL_S: a worker that exited is reported (on_exit) and
+                    restarted after a backoff (0.5 s doubling to 30 s; reset after 60 s up)
+    stop_all()      SIGTERM to every worker, SIGKILL after a grace period, run dir removed
+
+Workers exit by themselves when P0 dies (worker_loop: PDEATHSIG + parent check), so a
+kill -9 of the server leaves nothing running. What a killed server could not remove (its
+run dir under the temp dir) is removed by the next server at start (``clean_stale``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from triptych.engine.worker_loop import WorkerSpec
+
+logger = logging.getLogger("triptych.supervisor")
+WATCH_INTERVAL_S = 0.2
+BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+RUN_DIR_PREFIX = "triptych-"
+_RUN_DIR_RE = re.compile(r"^triptych-(\d+)-")
+POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decode.worker"}
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker slot of a pool; its process changes with every restart (incarnation)."""
+
+    pool: str
+    index: int
+    config: dict[str, Any]  # EngineConfig keyword arguments for this worker
+    num_threads: int = 1
+    incarnation: int = 0
+    proc: subprocess.Popen | None = None
+    state: str = "starting"  # starting | up | dead | stopped
+    restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    failures: int = 0  # consecutive short-lived incarnations (for the backoff)
+    info: dict[str, Any] = field(default_factory=dict)  # what its Hello said
+    stats: dict[str, float] = field(default_factory=dict)  # its latest WorkerStats
+
+    @property
+    def name(self) -> str:
+        return f"{self.pool}-{self.index}"
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name}#{self.incarnation}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(tmp: str | None = None) -> list[str]:
+    """Remove run dirs of servers that are no longer running (killed with -9)."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        m = _RUN_DIR_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def make_run_dir() -> str:
+    """A private (0700) dir for this server's sockets, named after its pid."""
+    clean_stale()
+    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+
+
+class Supervisor:
+    def __init__(self, router_address: str, eos_token_id: int | None,
+                 on_exit: Callable[[Worker, int], None]) -> None:
+        self.router_address = router_address
+        self.eos_token_id = eos_token_id
+        self.on_exit = on_exit
+        self.workers: list[Worker] = []
+        self.restarts_total = 0
+        self._stopping = False
+
+    def spawn(self, w: Worker) -> None:
+        """Start (or restart) a worker's process. Call from the event loop's thread: the
+        kernel's parent-death signal follows the thread that started the child."""
+        if w not in self.workers:
+            self.workers.append(w)
+        if w.proc is not None:
+            w.incarnation += 1
+        spec = WorkerSpec(worker_id=w.identity, pool=w.pool, router_address=self.router_address,
+                          config=w.config, eos_token_id=self.eos_token_id,
+                          parent_pid=os.getpid(), num_threads=w.num_threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(w.num_threads)}
+        w.proc = subprocess.Popen([sys.executable, "-m", POOL_MODULES[w.pool]],
+                                  stdin=subprocess.PIPE, env=env)
+        assert w.proc.stdin is not None
+        w.proc.stdin.write(msgspec.json.encode(spec))
+        w.proc.stdin.close()
+        w.state, w.started_at, w.info, w.stats = "starting", time.monotonic(), {}, {}
+        logger.info("started %s (pid %d)", w.identity, w.proc.pid)
+
+    async def watch(self) -> None:
+        """Notice exits, report them, restart after the backoff. Runs until cancelled."""
+        while True:
+            now = time.monotonic()
+            for w in self.workers:
+                if w.state in ("starting", "up") and w.proc and w.proc.poll() is not None:
+                    code = w.proc.returncode
+                    w.state = "dead"
+                    w.failures = 0 if now - w.started_at > STABLE_S else w.failures + 1
+                    w.restart_at = now + min(BACKOFF_MAX_S,
+                                             BACKOFF_MIN_S * 2 ** max(w.failures - 1, 0))
+                    logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
+                                 w.identity, w.pid, code, w.restart_at - now)
+                    self.on_exit(w, code)
+                elif w.state == "dead" and not self._stopping and now >= w.restart_at:
+                    w.restarts += 1
+                    self.restarts_total += 1
+                    self.spawn(w)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every worker (a clean exit), SIGKILL what is left after ``grace_s``."""
+        self._stopping = True
+        procs = [w.proc for w in self.workers if w.proc and w.proc.poll() is None]
+        for w in self.workers:
+            w.state = "stopped"
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                await asyncio.to_thread(p.wait, max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("pid %d did not stop in %.0f s; killing it", p.pid, grace_s)
+                p.kill()
+                await asyncio.to_thread(p.wait, 5)
+
+    def kill_all_now(self) -> None:
+        """Last resort when no event loop runs any more (interpreter exit)."""
+        for w in self.workers:
+            if w.proc and w.proc.poll() is None:
+                w.proc.kill()

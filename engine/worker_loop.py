@@ -1,0 +1,224 @@
+"""The process loop every pool worker runs (colocated, encode, prefill, decode).
+
+    supervisor (P0) --spawns--> python -m triptych.<pool>.worker   (WorkerSpec as JSON on stdin)
+    worker: build the pool's handler (loads the model), connect a DEALER to the router,
+            send Hello, then loop:
+              poll the router (and the handler's data sockets) -> handler.handle(msg)
+              handler.step() when it has work -> replies to the router
+              WorkerStats every STATS_INTERVAL_S (the router's heartbeat)
+
+What keeps one bad message or one bad request from hurting the rest:
+- every message is decoded against a fixed union; garbage is logged and dropped;
+- the handler turns a refused request into a RequestError for that request only;
+- the engine core isolates a failing step to the request that causes it.
+What keeps the process from outliving the server: the kernel sends SIGUSR1 when P0 dies
+(prctl PDEATHSIG, Linux), the loop also checks its parent every iteration; both, SIGTERM
+(the supervisor's stop) and a Shutdown message end the loop through the same clean path.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+from triptych.engine import wire
+
+logger = logging.getLogger("triptych.worker")
+STATS_INTERVAL_S = 0.25
+IDLE_POLL_MS = 100
+SEND_TIMEOUT_MS = 1000
+ROUTER_GONE_S = 30.0  # a router that takes nothing for this long is gone: stop
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """What the supervisor tells a worker process (JSON on its stdin)."""
+
+    worker_id: str  # "<pool>-<index>#<incarnation>": its identity on the router socket
+    pool: str  # colocated | encode | prefill | decode
+    router_address: str  # the router's ROUTER socket (ipc:// locally, tcp:// across hosts)
+    config: dict[str, Any]  # EngineConfig keyword arguments
+    eos_token_id: int | None = None  # from the tokenizer P0 loaded
+    parent_pid: int = 0  # exit when this process goes away (0: not supervised locally)
+    num_threads: int = 1  # torch intra-op threads of this worker
+
+
+class Handler(Protocol):
+    """The pool-specific part of a worker."""
+
+    def hello(self, spec: WorkerSpec) -> wire.Hello: ...
+    def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[msgspec.Struct]: ...
+    def stats(self) -> dict[str, float]: ...
+
+
+class _Named(msgspec.Struct):
+    request_id: str
+
+
+_named = msgspec.msgpack.Decoder(_Named)
+
+
+class _Stop(Exception):
+    """SIGTERM, the parent's death, or a Shutdown message."""
+
+
+class _Orphaned(_Stop):
+    """The process that started us is gone."""
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGUSR1 when the process that started us exits (Linux). Its own
+    signal, not SIGTERM: when it arrives getppid() may still name the dying parent, and
+    only an orphan should remove the parent's socket dir."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the getppid() check below still holds
+        pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Stop("SIGTERM")
+
+
+def _on_parent_death(signum: int, frame: Any) -> None:
+    raise _Orphaned("the API server process is gone")
+
+
+def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) -> None:
+    """Process entry point of every pool worker."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s[{spec.worker_id}]: "
+                               "%(message)s")
+    if spec.parent_pid:
+        # NOTE: Ctrl-C reaches the whole process group; P0 owns shutdown and stops us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, _on_parent_death)
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    import torch
+
+    torch.set_num_threads(max(1, spec.num_threads))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        _check_parent(spec)
+        handler = make_handler(spec)
+        sock.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        sock.connect(spec.router_address)
+        _send(sock, handler.hello(spec), spec)
+        _loop(spec, handler, sock)
+    except _Stop as e:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # one stop is enough
+            signal.signal(sig, signal.SIG_IGN)
+        logger.info("worker stops (%s)", e)
+        if isinstance(e, _Orphaned):
+            _remove_run_dir(spec)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        sock.close(0)
+        ctx.term()
+
+
+def _remove_run_dir(spec: WorkerSpec) -> None:
+    """P0 was killed and cannot remove its socket dir: do it (only a dir of the dead
+    parent's, named by the supervisor: <tmp>/triptych-<parent pid>-*)."""
+    path = os.path.dirname(spec.router_address.removeprefix("ipc://"))
+    name = os.path.basename(path)
+    if spec.router_address.startswith("ipc://") and \
+            name.startswith(f"triptych-{spec.parent_pid}-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_parent(spec: WorkerSpec) -> None:
+    if spec.parent_pid and os.getppid() != spec.parent_pid:
+        raise _Orphaned("the API server process is gone")
+
+
+def _send(sock: zmq.Socket, msg: msgspec.Struct, spec: WorkerSpec) -> None:
+    """Send to the router; while it cannot take the message, check that it still exists."""
+    data = wire.encode(msg)
+    deadline = time.monotonic() + ROUTER_GONE_S
+    while True:
+        try:
+            sock.send_multipart(data)
+            return
+        except zmq.Again:
+            _check_parent(spec)
+            if time.monotonic() > deadline:
+                raise _Stop("the router took no message for 30 s") from None
+
+
+def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    last_stats = 0.0
+    while True:
+        _check_parent(spec)
+        timeout = 0 if handler.has_work() else IDLE_POLL_MS
+        for _ in range(1024):  # drain what arrived (bounded: a flood cannot starve steps)
+            if not dict(poller.poll(timeout)):
+                break
+            timeout = 0
+            for reply in _receive(handler, sock.recv_multipart(copy=True)):
+                _send(sock, reply, spec)
+        if handler.has_work():
+            for reply in handler.step():
+                _send(sock, reply, spec)
+        now = time.monotonic()
+        if now - last_stats >= STATS_INTERVAL_S:
+            last_stats = now
+            _send(sock, wire.WorkerStats(handler.stats()), spec)
+
+
+def _receive(handler: Handler, frames: list[bytes]) -> list[msgspec.Struct]:
+    """One message from the router. Nothing a message holds ends the loop but Shutdown."""
+    try:
+        msg = wire.decode_to_worker(frames)
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as e:
+        # NOTE: answer whatever names a request, or the router would wait for it forever.
+        try:
+            rid = _named.decode(frames[0]).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+            logger.warning("dropped a malformed message (%d frames)", len(frames))
+            return []
+        return [wire.RequestError(rid, f"malformed request: {e}")]
+    if isinstance(msg, wire.Shutdown):
+        raise _Stop("Shutdown message")
+    try:
+        return handler.handle(msg, frames)
+    except Exception:  # our bug, not the message's: log it, keep serving
+        logger.exception("handling a %s message failed", type(msg).__name__)
+        rid = getattr(msg, "request_id", None)
+        return [wire.RequestError(rid, "internal error")] if rid else []
+
+
+def main(make_handler: Callable[[WorkerSpec], Handler]) -> None:
+    """``python -m triptych.<pool>.worker`` with the WorkerSpec as JSON on stdin."""
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    code = 0
+    try:
+        run_worker(spec, make_handler)
+    except BaseException:
+        logger.exception("worker failed")
+        code = 1
+    finally:
+        # NOTE: skip interpreter finalization: joining torch's thread pools and library
+        # destructors held a dying worker for seconds; our sockets are already closed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
