@@ -18,9 +18,13 @@ NOTE (rules for whoever wires these into messages):
 - Every planned message is applied by the worker, even when its request was aborted in
   the meantime (apply the cache part, then drop the request). A request aborted before it
   was planned costs nothing.
-- When the worker raises ``ProcessorCacheMiss(keys)`` (a restarted worker, a bug), P0 calls
-  ``forget(keys)`` and re-sends the request with those items' pixels; a restarted worker
-  means ``forget_all()``. The worker never dies of a miss.
+- When the worker raises ``ProcessorCacheMiss(keys)`` (a cleared worker, a bug), P0 calls
+  ``forget(keys, seq)`` with the ``seq`` of the plan that missed (keep it with the request,
+  or let it travel and come back) and re-sends the request; ``forget`` leaves alone a key
+  that a later plan already sent again as "data" (that message will store it, and forgetting
+  it would leave P1 holding a key P0 can never evict). A restarted worker (in-flight
+  messages lost, empty store) means ``forget_all()``, under the send lock, before anything is
+  sent to the new process. The worker never dies of a miss.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class ProcessorCacheMiss(Exception):
 
 @dataclass
 class CachePlan:
+    seq: int = 0  # this plan's number (1, 2, ...): what ``forget`` needs after a miss
     ops: list[str] = field(default_factory=list)  # one per item, in message order
     evicted: list[str] = field(default_factory=list)  # keys P1 drops before applying ops
 
@@ -62,8 +67,10 @@ class ProcessorCacheMirror:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[str, int] = OrderedDict()  # key -> bytes, LRU first
+        # key -> (bytes, seq of the plan that last sent its data), least recently used first
+        self._entries: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self._seq = 0
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -85,9 +92,10 @@ class ProcessorCacheMirror:
         (larger than the cache, or the room is held by this message's own items) is sent
         as "data-uncached" and not remembered.
         """
-        out = CachePlan()
         in_message = {key for key, _ in items}
         with self._lock:
+            self._seq += 1
+            out = CachePlan(self._seq)
             for key, nbytes in items:
                 if type(nbytes) is not int or nbytes < 0:
                     raise ValueError(f"bad item size {nbytes!r}")
@@ -100,9 +108,9 @@ class ProcessorCacheMirror:
                     out.ops.append(DATA_UNCACHED)
                     continue
                 for k in victims:
-                    self.num_bytes -= self._entries.pop(k)
+                    self.num_bytes -= self._entries.pop(k)[0]
                 out.evicted += victims
-                self._entries[key] = nbytes
+                self._entries[key] = (nbytes, self._seq)
                 self.num_bytes += nbytes
                 out.ops.append(DATA)
         return out
@@ -114,7 +122,7 @@ class ProcessorCacheMirror:
         if nbytes > self.capacity_bytes:
             return None
         victims: list[str] = []
-        for key, size in self._entries.items():
+        for key, (size, _) in self._entries.items():
             if excess <= 0:
                 break
             if key not in keep:
@@ -122,13 +130,15 @@ class ProcessorCacheMirror:
                 excess -= size
         return victims if excess <= 0 else None
 
-    def forget(self, keys: Sequence[str]) -> None:
-        """The worker reported these keys missing: stop referring to them."""
+    def forget(self, keys: Sequence[str], seq: int) -> None:
+        """The worker reported ``keys`` missing while applying plan ``seq``: stop referring
+        to them, unless a later plan has sent their data again."""
         with self._lock:
             for key in keys:
-                size = self._entries.pop(key, None)
-                if size is not None:
-                    self.num_bytes -= size
+                entry = self._entries.get(key)
+                if entry is not None and entry[1] <= seq:
+                    del self._entries[key]
+                    self.num_bytes -= entry[0]
 
     def forget_all(self) -> None:
         """The worker restarted with an empty store."""
@@ -138,7 +148,8 @@ class ProcessorCacheMirror:
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self.num_bytes == sum(self._entries.values()) <= self.capacity_bytes
+            assert self.num_bytes == sum(n for n, _ in self._entries.values()) \
+                <= self.capacity_bytes
 
 
 class StoreItem(NamedTuple):
