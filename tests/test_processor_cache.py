@@ -4,6 +4,7 @@ when they are forced apart (vLLM #31404 killed an engine exactly there)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import queue
 import random
@@ -21,8 +22,10 @@ import zmq
 from triptych.mmcache import (DATA, DATA_UNCACHED, REF, ProcessorCacheMirror, ProcessorCacheMiss,
                               ProcessorCacheStore, StoreItem)
 
-sys.path.insert(0, os.path.dirname(__file__))
-import proc_cache_worker as w  # noqa: E402
+WORKER = os.path.join(os.path.dirname(__file__), "proc_cache_worker.py")
+_spec = importlib.util.spec_from_file_location("proc_cache_worker", WORKER)
+w = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(w)  # its message Structs; the same file runs as the P1 process
 
 torch.set_num_threads(1)
 KEYS = [hashlib.blake2b(str(i).encode(), digest_size=32).hexdigest() for i in range(16)]
@@ -255,9 +258,7 @@ class P0:
         out_addr, in_addr = f"ipc://{tmp_path}/to-p1", f"ipc://{tmp_path}/from-p1"
         self.push.bind(out_addr)
         self.pull.bind(in_addr)
-        here = os.path.dirname(__file__)
-        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "proc_cache_worker.py"),
-                                      out_addr, in_addr, str(capacity)])
+        self.proc = subprocess.Popen([sys.executable, WORKER, out_addr, in_addr, str(capacity)])
         self.mirror = ProcessorCacheMirror(capacity)
         self.send_lock = threading.Lock()
         self.replies: dict[int, queue.Queue] = {}
