@@ -14,7 +14,9 @@ did in vLLM #31404, as long as the rules below hold.
 
 NOTE (rules for whoever wires these into messages):
 - ``plan()`` is called in exactly the order the messages are delivered to that worker on
-  an ordered channel: hold the lock that sends while planning and sending.
+  an ordered channel: hold the lock that sends while planning and sending. Items P0 has no
+  pixels for are flagged (``have_data``); a plan that would need them returns ``need_data``
+  without changing anything, so nothing slow (decoding, the HF processor) runs under the lock.
 - Every planned message is applied by the worker, even when its request was aborted in
   the meantime (apply the cache part, then drop the request). A request aborted before it
   was planned costs nothing.
@@ -57,6 +59,9 @@ class CachePlan:
     seq: int = 0  # this plan's number (1, 2, ...): what ``forget`` needs after a miss
     ops: list[str] = field(default_factory=list)  # one per item, in message order
     evicted: list[str] = field(default_factory=list)  # keys P1 drops before applying ops
+    # Items given without pixels that the worker does not hold: when set, nothing was
+    # planned or changed (seq 0); produce their pixels and plan again.
+    need_data: list[int] = field(default_factory=list)
 
 
 class ProcessorCacheMirror:
@@ -84,16 +89,28 @@ class ProcessorCacheMirror:
         with self._lock:
             return list(self._entries)
 
-    def plan(self, items: Sequence[tuple[str, int]]) -> CachePlan:
+    def plan(self, items: Sequence[tuple[str, int]],
+             have_data: Sequence[bool] | None = None) -> CachePlan:
         """Decide, for one message's items ``(key, nbytes)`` in order, what travels.
 
         Hits become refs (and most recently used); misses become "data" after evicting
         least recently used keys that this message does not use; an item that cannot fit
         (larger than the cache, or the room is held by this message's own items) is sent
         as "data-uncached" and not remembered.
+
+        ``have_data[i]`` False: P0 has no pixels for item i (a processor-cache hit). If the
+        worker does not hold it either, the plan comes back with ``need_data`` and changes
+        nothing, so the caller can release the send lock, produce the pixels
+        (``InputProcessor.load_pixels``) and plan again; a held item stays a ref, because a
+        plan never evicts keys of its own message.
         """
         in_message = {key for key, _ in items}
         with self._lock:
+            if have_data is not None:
+                need = [i for i, ((key, _), have) in enumerate(zip(items, have_data, strict=True))
+                        if not have and key not in self._entries]
+                if need:
+                    return CachePlan(need_data=need)
             self._seq += 1
             out = CachePlan(self._seq)
             for key, nbytes in items:

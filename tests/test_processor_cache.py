@@ -76,6 +76,17 @@ def test_plan_and_apply_step_by_step():
     assert m.keys() == [] and m.num_bytes == 0
 
 
+def test_plan_without_pixels_changes_nothing_until_they_are_loaded():
+    m = ProcessorCacheMirror(100)
+    m.plan([("a", 40)])
+    items = [("b", 40), ("a", 40), ("c", 40)]
+    p = m.plan(items, have_data=[False, False, True])  # a is held: a ref needs no pixels
+    assert (p.need_data, p.seq, p.ops, p.evicted) == ([0], 0, [], [])
+    assert m.keys() == ["a"] and m.num_bytes == 40  # untouched
+    p = m.plan(items, have_data=[True, False, True])
+    assert (p.seq, p.ops, p.need_data) == (2, [DATA, REF, DATA_UNCACHED], [])
+
+
 def test_store_refuses_malformed_messages_before_changing_anything():
     s = ProcessorCacheStore(1000)
     s.apply([], [StoreItem("a", DATA, torch.zeros(4))])
@@ -132,6 +143,7 @@ class Sim:
     answered: set[int] = field(default_factory=set)
     num_misses: int = 0
     next_rid: int = 0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def __post_init__(self) -> None:
         for _ in range(self.num_workers):
@@ -148,7 +160,16 @@ class Sim:
 
     def _send(self, rid: int) -> None:
         worker, keys = self.requests[rid]
-        plan = self.mirrors[worker].plan([(k, nbytes(k)) for k in keys])
+        items, mirror = [(k, nbytes(k)) for k in keys], self.mirrors[worker]
+        # Some items come without pixels (P0 index hits): they must be refs, or be loaded.
+        have = [self.rng.random() < 0.6 for _ in keys]
+        plan = mirror.plan(items, have)
+        if plan.need_data:
+            assert plan.seq == 0 and all(not have[i] and not mirror.holds(keys[i])
+                                         for i in plan.need_data)
+            have = [True] * len(keys)
+            plan = mirror.plan(items, have)
+        assert all(h or op == REF for h, op in zip(have, plan.ops)), "data without pixels"
         self.channels[worker].append(Msg(rid, plan.seq, keys, plan.ops, plan.evicted))
 
     def abort(self, rid: int) -> None:
@@ -208,7 +229,8 @@ class Sim:
 
 def run_sequence(rng: random.Random, steps: int) -> Sim:
     keys = rng.sample(KEYS, rng.randint(2, len(KEYS)))
-    sim = Sim(capacity=rng.choice([0, 16, 60, 120, 400]), num_workers=rng.randint(1, 3))
+    sim = Sim(capacity=rng.choice([0, 16, 60, 120, 400]), num_workers=rng.randint(1, 3),
+              rng=random.Random(rng.random()))
     for _ in range(steps):
         r, worker = rng.random(), rng.randrange(sim.num_workers)
         if r < 0.5:
