@@ -47,6 +47,9 @@ class MediaSource:
     modality: str  # "image" | "video"
     payload: Payload
     uuid: str | None = None  # the client's uuid, if it named the item
+    # dtype/shape (and so nbytes) of the item's pixels, known even when they were skipped:
+    # the processor cache plans by size and a ref's wire entry describes the tensor.
+    meta: ItemMeta | None = None
 
 
 @dataclass
@@ -139,7 +142,9 @@ class InputProcessor:
 
     def process_prompt(self, prompt: str | list[int] | dict) -> ProcessedPrompt:
         """A string, token ids, or {'prompt': str, 'multi_modal_data': {'image': PIL|list,
-        'video': ndarray|list}} whose text holds one vision placeholder per item."""
+        'video': ndarray|list}} whose text holds one vision placeholder per item; optional
+        'multi_modal_uuids' ({'image': [uuid or None, ...]}) name items as content parts'
+        uuids do (an item may then be None if the uuid was seen before)."""
         if isinstance(prompt, str):
             return self._build(prompt, [], by_kind=True)
         if isinstance(prompt, list):
@@ -153,11 +158,23 @@ class InputProcessor:
             unknown = set(mmd) - {"image", "video"}
             if unknown:
                 raise ValueError(f"unsupported multi_modal_data keys: {sorted(unknown)}")
+            uuids = prompt.get("multi_modal_uuids") or {}
+            if not isinstance(uuids, dict) or set(uuids) - set(mmd):
+                raise ValueError("multi_modal_uuids must map modalities of multi_modal_data to "
+                                 "lists of uuids (or None)")
             media = []
             for kind in ("image", "video"):
                 items = mmd.get(kind, [])
                 items = items if isinstance(items, list) else [items]
-                media += [(kind, x, None) for x in items]
+                ids = uuids.get(kind, [None] * len(items))
+                ids = ids if isinstance(ids, list) else [ids]
+                if len(ids) != len(items):
+                    raise ValueError(f"multi_modal_uuids has {len(ids)} {kind} uuid(s) for "
+                                     f"{len(items)} {kind}(s)")
+                for x, u in zip(items, ids):
+                    if u is not None and not isinstance(u, str):
+                        raise ValueError("a uuid must be a string")
+                    media.append((kind, x, u))
             self._check_limits([k for k, _, _ in media])
             return self._build(prompt["prompt"], media, by_kind=True)
         raise ValueError("a prompt must be a string, a list of token ids, or "
@@ -213,7 +230,7 @@ class InputProcessor:
             meta = self._lookup(key)
             if meta is not None:
                 payload = src if src is None or isinstance(src, str) else self._payload(kind, src)
-                return self._from_meta(key, meta), MediaSource(kind, payload, uuid)
+                return self._from_meta(key, meta), MediaSource(kind, payload, uuid, meta)
             if src is None:
                 raise ValueError(f"unknown {kind} uuid {uuid!r}: the server does not hold it; "
                                  f"send the {kind} with it")
@@ -222,12 +239,13 @@ class InputProcessor:
             key = self._content_key(kind, payload, kwargs)
             meta = self._lookup(key)
             if meta is not None:
-                return self._from_meta(key, meta), MediaSource(kind, payload)
+                return self._from_meta(key, meta), MediaSource(kind, payload, None, meta)
         item = self._process(kind, key, payload)
+        meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
+                           item.second_per_grid_t)
         if self.cache is not None:
-            self.cache.put(key, ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw),
-                                            item.pixel_values, item.second_per_grid_t))
-        return item, MediaSource(kind, payload, uuid)
+            self.cache.put(key, meta)
+        return item, MediaSource(kind, payload, uuid, meta)
 
     def _payload(self, kind: str, src: Any) -> Payload:
         """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
@@ -303,7 +321,8 @@ class InputProcessor:
             source.payload = payload  # fetch once
         fresh = self._process(item.modality, item.mm_hash, payload)
         if fresh.grid_thw != item.grid_thw or \
-                fresh.second_per_grid_t != item.second_per_grid_t:
+                fresh.second_per_grid_t != item.second_per_grid_t or \
+                (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
             if self.cache is not None:
                 self.cache.discard(item.mm_hash)
             raise ValueError(f"the {item.modality} with uuid {source.uuid!r} differs from the "

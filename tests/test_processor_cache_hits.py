@@ -104,6 +104,10 @@ def test_repeated_image_costs_no_processor_run(cproc, tiny_qwen2_vl, tmp_path, d
         assert b.pixel_values is None
         assert p.prompt_token_ids[b.offset:b.end] == [cproc.image_token_id] * b.length
     assert again.mm_items[0].offset == a.offset
+    # Hit or miss, the router learns the pixels' dtype/shape/size without the pixels.
+    for p in (first, again, as_file):
+        meta = p.mm_sources[0].meta
+        assert meta.matches(a.pixel_values) and meta.nbytes == a.pixel_values.numel() * 4
 
     # The prompt equals what a processor without any cache builds.
     plain = make(tiny_qwen2_vl, tmp_path, None)
@@ -223,3 +227,21 @@ def test_processor_settings_change_keys(tiny_qwen2_vl, tmp_path):
     ux = a.process_chat(chat(image_part(url, uuid="same"))).mm_items[0]
     uy = b.process_chat(chat(image_part(url, uuid="same"))).mm_items[0]
     assert ux.mm_hash != uy.mm_hash and uy.pixel_values is not None
+
+
+def test_offline_prompts_take_multi_modal_uuids(cproc):
+    text = "<|vision_start|><|image_pad|><|vision_end|>Describe."
+    im = img(10)
+    first = cproc.process_prompt({"prompt": text, "multi_modal_data": {"image": [im]},
+                                  "multi_modal_uuids": {"image": ["photo"]}})
+    again = cproc.process_prompt({"prompt": text, "multi_modal_data": {"image": [None]},
+                                  "multi_modal_uuids": {"image": ["photo"]}})
+    assert again.prompt_token_ids == first.prompt_token_ids
+    assert again.mm_items[0].mm_hash == first.mm_items[0].mm_hash
+    assert cproc.image_processor.calls == 1
+    with pytest.raises(ValueError, match="1 image"):
+        cproc.process_prompt({"prompt": text, "multi_modal_data": {"image": [im]},
+                              "multi_modal_uuids": {"image": ["a", "b"]}})
+    with pytest.raises(ValueError, match="unknown image uuid"):
+        cproc.process_prompt({"prompt": text, "multi_modal_data": {"image": [None]},
+                              "multi_modal_uuids": {"image": ["never-seen"]}})
