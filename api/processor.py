@@ -309,6 +309,8 @@ class InputProcessor:
 
         ValueError (a 400) when that is impossible: a uuid sent without data that no longer
         has pixels anywhere, or a uuid whose data now differs from what it named before.
+        Blocking (it may fetch a URL and runs the HF processor): call it in a worker thread,
+        never under the lock that sends.
         """
         if item.pixel_values is not None:
             return item.pixel_values
@@ -325,6 +327,9 @@ class InputProcessor:
                 (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
             if self.cache is not None:
                 self.cache.discard(item.mm_hash)
+            if source.uuid is None:  # a content key always gives the same result
+                raise RuntimeError(f"{item.modality} {item.mm_hash[:12]} processed differently "
+                                   "the second time")
             raise ValueError(f"the {item.modality} with uuid {source.uuid!r} differs from the "
                              "one sent before under that uuid")
         item.pixel_values = fresh.pixel_values
