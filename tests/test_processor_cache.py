@@ -311,7 +311,7 @@ class P0:
         with self.rid_lock:
             rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.replies[rid] = queue.Queue()
-        while True:
+        for _ in range(10):  # each miss makes P0 forget keys: a retry always progresses
             # NOTE: plan and send under one lock: the worker applies plans in plan order.
             with self.send_lock:
                 plan = self.mirror.plan([(k, nbytes(k)) for k in keys])
@@ -327,6 +327,7 @@ class P0:
                 self.mirror.forget(reply.keys, plan.seq)
                 continue
             return reply
+        raise AssertionError(f"request {rid} kept missing")
 
     def dump(self) -> w.Keys:
         self.send(w.Dump())

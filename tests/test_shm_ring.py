@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -42,10 +44,25 @@ def spawn(*args: str) -> subprocess.Popen:
     return p
 
 
-def first_line(p: subprocess.Popen) -> str:
-    line = p.stdout.readline().strip()  # the worker prints its segment name at once
-    assert line, "worker printed nothing"
-    return line
+class Lines:
+    """A worker's stdout lines, read by a thread so that every wait has a timeout."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(p.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        try:
+            for line in stream:
+                self.q.put(line)
+        except (ValueError, OSError):  # closed by the test
+            pass
+        self.q.put("")
+
+    def next(self, timeout: float = 60.0) -> str:
+        line = self.q.get(timeout=timeout)
+        assert line, "worker exited"
+        return line.strip()
 
 
 def digest(x: torch.Tensor) -> str:  # as shm_worker.py reports a read
@@ -225,13 +242,14 @@ def test_entry_overwritten_during_the_copy_is_detected():
 def test_a_churning_writer_process_never_yields_a_torn_read():
     n = 1 << 20  # 1 MiB entries: copies take long enough for the writer to overlap them
     p = spawn("churn", str(3 * entry(n, 1)), str(n))
+    lines = Lines(p)
     good = gone = 0
     try:
-        r = ShmRingReader(first_line(p))
+        r = ShmRingReader(lines.next())
         dec = msgspec.json.Decoder(tuple[str, ShmItemRef])
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            key, ref = dec.decode(p.stdout.readline())
+            key, ref = dec.decode(lines.next())
             try:
                 data = r.read(ref, key).view(torch.uint8)
             except ShmEntryOverwritten:
@@ -242,9 +260,9 @@ def test_a_churning_writer_process_never_yields_a_torn_read():
             good += 1
         r.close()
     finally:
-        p.stdin.close()
-        p.stdout.close()
+        p.stdin.close()  # the writer stops; the pump thread drains its stdout to EOF
         p.wait(timeout=30)
+        p.stdout.close()
     print(f"churn: {good} reads intact, {gone} detected as overwritten")
     assert good > 0 and good + gone > 10
 
@@ -265,9 +283,9 @@ def test_no_segment_remains_after_close_or_gc():
 
 def test_kill_9_then_a_new_writer_removes_the_stale_segment():
     p = spawn("writer", "65536")
-    old = first_line(p)
+    old = Lines(p).next()
     live = spawn("writer", "65536")
-    live_name = first_line(live)
+    live_name = Lines(live).next()
     try:
         assert {old, live_name} <= set(list_segments())
         p.send_signal(signal.SIGKILL)  # P0 dies without cleaning up
