@@ -53,9 +53,9 @@ class EngineConfig:
     kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | inproc | shm | tcp (auto: shm on one host)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
     mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks (takes effect with tensor_parallel_size > 1, not supported yet)
-    mm_processor_cache_gb: float = 4.0  # processor cache size (0 disables; reserved: the P0/P1 processor cache is not built yet)
-    mm_processor_cache_type: str = "lru"  # lru (P0 keys, P1 data) | shm (shared-memory ring); reserved, see mm_processor_cache_gb
-    encoder_cache_size: int = 16384  # vision embedding rows kept for reuse (repeated images skip the tower)
+    mm_processor_cache_gb: float = 4.0  # GiB of processed pixels each side of the processor cache may hold (0 disables both sides)
+    mm_processor_cache_type: str = "lru"  # lru: P0 keeps keys, each worker keeps the tensors | shm: P0 writes a shared-memory ring every worker on the host reads
+    encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
     attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
@@ -94,6 +94,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         parse_size(self.kv_cache_memory)
+        if not 0 <= self.mm_processor_cache_gb < float("inf"):  # NOTE: also refuses NaN
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
+        if parse_size(self.encoder_cache_size) < 0:
+            raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size!r}")
         for k, v in self.limit_mm_per_prompt.items():
             if k not in ("image", "video") or not isinstance(v, int) or v < 0:
                 raise ValueError(f"limit_mm_per_prompt: bad entry {k!r}: {v!r}")

@@ -288,7 +288,12 @@ def load_video(src: str | np.ndarray, limits: MediaLimits) -> tuple[np.ndarray, 
         return _pad_even(src[idx]), limits.video_fps * cap / n
     if not isinstance(src, str):
         raise MediaError("a video must be a URL, a path or a frame array")
-    frames, fps = _decode_video(read_media_bytes(src, limits, limits.max_video_bytes), limits)
+    return decode_video(read_media_bytes(src, limits, limits.max_video_bytes), limits)
+
+
+def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
+    """``load_video`` of encoded bytes already read (the processor hashes them first)."""
+    frames, fps = _decode_video(data, limits)
     return _pad_even(frames), fps
 
 

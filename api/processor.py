@@ -13,19 +13,43 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
-from triptych.api.media import MediaError, MediaLimits, load_image, load_video
+from triptych.api.media import (MediaError, MediaLimits, decode_image, decode_video, load_image,
+                                load_video, read_media_bytes)
 from triptych.api.video import preprocess_video
 from triptych.engine.request import MMItem
-from triptych.mmcache.hashing import hash_image, hash_video
+from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
+from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>")
 _MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses more; say so before it does
+
+
+# What an item can be made from again: a URL not fetched yet, encoded bytes, an RGB image,
+# sampled frames with their rate, or nothing (a uuid the server held, sent without data).
+Payload = str | bytes | Image.Image | tuple[np.ndarray, float] | None
+
+
+@dataclass
+class MediaSource:
+    """Where one item came from. Kept on P0 until the item is dispatched, so its pixels can
+    be produced again (``InputProcessor.load_pixels``) when the processor cache skipped them
+    and the worker chosen for the request turns out not to hold them."""
+
+    modality: str  # "image" | "video"
+    payload: Payload
+    uuid: str | None = None  # the client's uuid, if it named the item
+    # dtype/shape (and so nbytes) of the item's pixels, known even when they were skipped:
+    # the processor cache plans by size and a ref's wire entry describes the tensor.
+    meta: ItemMeta | None = None
 
 
 @dataclass
@@ -33,14 +57,25 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]  # placeholders already expanded
     mm_items: list[MMItem] = field(default_factory=list)  # in placeholder order
     prompt_text: str | None = None  # the text before expansion (None for token-id prompts)
+    # NOTE: one per item, same order; an item with pixel_values=None (a processor-cache
+    # hit) gets its pixels from here. Drop them once the request is dispatched.
+    mm_sources: list[MediaSource] = field(default_factory=list)
 
 
 class InputProcessor:
-    """Tokenizer + chat template + image/video preprocessing of one checkpoint directory."""
+    """Tokenizer + chat template + image/video preprocessing of one checkpoint directory.
+
+    With a ``cache`` (``ProcessorCacheIndex``), an item whose key the index holds is not
+    decoded or processed: it leaves with ``pixel_values=None`` and the metadata the prompt
+    needs, and its ``MediaSource`` stays on the prompt for ``load_pixels``. The key is
+    computed before decoding: from the encoded bytes, the client's ``uuid``, or (PIL images
+    and frame arrays, which have no bytes) the pixels.
+    """
 
     def __init__(self, model_dir: str, *, limit_mm_per_prompt: dict[str, int] | None = None,
                  media_limits: MediaLimits | None = None, max_model_len: int | None = None,
-                 tokenizer: Any | None = None) -> None:
+                 tokenizer: Any | None = None, cache: ProcessorCacheIndex | None = None
+                 ) -> None:
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -62,12 +97,23 @@ class InputProcessor:
         self.video_max_pixels = vcfg.get("max_pixels", 768 * 28 * 28)
         ip = self.image_processor
         # Everything that changes the processor's output goes into the content hash.
-        common = {"patch": ip.patch_size, "merge": ip.merge_size, "tps": ip.temporal_patch_size,
-                  "mean": list(ip.image_mean), "std": list(ip.image_std),
-                  "rescale": ip.rescale_factor, "resample": int(ip.resample)}
+        common = {"class": type(ip).__name__, "patch": ip.patch_size, "merge": ip.merge_size,
+                  "tps": ip.temporal_patch_size, "mean": list(ip.image_mean),
+                  "std": list(ip.image_std), "rescale": ip.rescale_factor,
+                  "resample": int(ip.resample),
+                  **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
+                                                       "do_normalize", "do_convert_rgb")}}
         self.image_hash_kwargs = {**common, "size": dict(ip.size)}
         self.video_hash_kwargs = {**common, "pixels": [self.video_min_pixels, self.video_max_pixels]}
+        # Keys of encoded video bytes also cover how frames are sampled from the file.
+        self._video_bytes_kwargs = {**self.video_hash_kwargs, "fps": self.media.video_fps,
+                                    "max_frames": self.media.max_video_frames}
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        self.cache = cache
+        self._lock = threading.Lock()  # counters: prompts are processed in a thread pool
+        self.num_queries = 0  # items looked up in the processor cache (every item)
+        self.num_hits = 0  # of which the index held: no decode, no HF processor
+        self.num_items_processed = 0  # items run through decode + HF processor
 
     # -- entry points ---------------------------------------------------------------------
     def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True
@@ -77,7 +123,7 @@ class InputProcessor:
         if not isinstance(messages, list) or not messages or \
                 not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
-        media: list[tuple[str, Any]] = []
+        media: list[tuple[str, Any, str | None]] = []
         for m in messages:
             if not isinstance(m.get("role"), str):
                 raise ValueError("every message needs a string 'role'")
@@ -89,14 +135,16 @@ class InputProcessor:
                 raise ValueError("message content must be a string or a list of parts")
             for part in content:
                 media += self._parse_part(part)
-        self._check_limits([k for k, _ in media])
+        self._check_limits([k for k, _, _ in media])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self._build(text, media)
 
     def process_prompt(self, prompt: str | list[int] | dict) -> ProcessedPrompt:
         """A string, token ids, or {'prompt': str, 'multi_modal_data': {'image': PIL|list,
-        'video': ndarray|list}} whose text holds one vision placeholder per item."""
+        'video': ndarray|list}} whose text holds one vision placeholder per item; optional
+        'multi_modal_uuids' ({'image': [uuid or None, ...]}) name items as content parts'
+        uuids do (an item may then be None if the uuid was seen before)."""
         if isinstance(prompt, str):
             return self._build(prompt, [], by_kind=True)
         if isinstance(prompt, list):
@@ -110,27 +158,46 @@ class InputProcessor:
             unknown = set(mmd) - {"image", "video"}
             if unknown:
                 raise ValueError(f"unsupported multi_modal_data keys: {sorted(unknown)}")
+            uuids = prompt.get("multi_modal_uuids") or {}
+            if not isinstance(uuids, dict) or set(uuids) - set(mmd):
+                raise ValueError("multi_modal_uuids must map modalities of multi_modal_data to "
+                                 "lists of uuids (or None)")
             media = []
             for kind in ("image", "video"):
                 items = mmd.get(kind, [])
                 items = items if isinstance(items, list) else [items]
-                media += [(kind, x) for x in items]
-            self._check_limits([k for k, _ in media])
+                ids = uuids.get(kind, [None] * len(items))
+                ids = ids if isinstance(ids, list) else [ids]
+                if len(ids) != len(items):
+                    raise ValueError(f"multi_modal_uuids has {len(ids)} {kind} uuid(s) for "
+                                     f"{len(items)} {kind}(s)")
+                for x, u in zip(items, ids):
+                    if u is not None and not isinstance(u, str):
+                        raise ValueError("a uuid must be a string")
+                    media.append((kind, x, u))
+            self._check_limits([k for k, _, _ in media])
             return self._build(prompt["prompt"], media, by_kind=True)
         raise ValueError("a prompt must be a string, a list of token ids, or "
                          "{'prompt': str, 'multi_modal_data': {...}}")
 
     # -- parsing --------------------------------------------------------------------------
-    def _parse_part(self, part: Any) -> list[tuple[str, Any]]:
+    def _parse_part(self, part: Any) -> list[tuple[str, Any, str | None]]:
+        """-> [(modality, source or None, uuid or None)]; a part with a ``uuid`` may leave
+        its data out (``"image_url": {}`` or null) when the server already holds it."""
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             self._check_text(part.get("text"))
             return []
-        if kind in ("image_url", "video_url"):
-            url = part.get(kind)
-            return [(kind[:5], url.get("url") if isinstance(url, dict) else url)]
-        if kind in ("image", "video"):
-            return [(kind, part.get(kind))]
+        if kind in ("image_url", "video_url", "image", "video"):
+            uuid = part.get("uuid")
+            if uuid is not None and not isinstance(uuid, str):
+                raise ValueError("a content part's uuid must be a string")
+            src = part.get(kind)
+            if kind.endswith("_url") and isinstance(src, dict):
+                src = src.get("url")
+            if src is None and uuid is None:
+                raise ValueError(f"a {kind} part needs its data (or a uuid sent before)")
+            return [(kind.removesuffix("_url"), src, uuid)]
         raise ValueError(f"unsupported content part type {kind!r}" if isinstance(kind, str)
                          else "every content part needs a string 'type'")
 
@@ -151,35 +218,146 @@ class InputProcessor:
                                  f"{limit} {kind}(s)")
 
     # -- media ----------------------------------------------------------------------------
-    def _load(self, kind: str, src: Any) -> MMItem:
-        """Decode + preprocess one item; offset/length are filled in by _build."""
-        ip = self.image_processor
+    def _load(self, kind: str, src: Any, uuid: str | None) -> tuple[MMItem, MediaSource]:
+        """Key one item, then either take its metadata from the processor cache or decode +
+        preprocess it; offset/length are filled in by _build."""
+        kwargs = self.image_hash_kwargs if kind == "image" else self.video_hash_kwargs
+        key = None
+        if uuid is not None:
+            # A uuid names the content: on a hit nothing is fetched or decoded (a URL is
+            # kept unfetched for load_pixels).
+            key = hash_uuid(kind, uuid, kwargs)
+            meta = self._lookup(key)
+            if meta is not None:
+                payload = src if src is None or isinstance(src, str) else self._payload(kind, src)
+                return self._from_meta(key, meta), MediaSource(kind, payload, uuid, meta)
+            if src is None:
+                raise ValueError(f"unknown {kind} uuid {uuid!r}: the server does not hold it; "
+                                 f"send the {kind} with it")
+        payload = self._payload(kind, src)
+        if key is None:
+            key = self._content_key(kind, payload, kwargs)
+            meta = self._lookup(key)
+            if meta is not None:
+                return self._from_meta(key, meta), MediaSource(kind, payload, None, meta)
+        item = self._process(kind, key, payload)
+        meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
+                           item.second_per_grid_t)
+        if self.cache is not None:
+            self.cache.put(key, meta)
+        return item, MediaSource(kind, payload, uuid, meta)
+
+    def _payload(self, kind: str, src: Any) -> Payload:
+        """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
+        if isinstance(src, str):
+            cap = self.media.max_image_bytes if kind == "image" else self.media.max_video_bytes
+            return read_media_bytes(src, self.media, cap)
         if kind == "image":
-            img = load_image(src, self.media)
+            return load_image(src, self.media)  # PIL: checked and converted to RGB
+        return load_video(src, self.media)  # frame array: checked and sampled
+
+    def _content_key(self, kind: str, payload: Payload, kwargs: dict[str, Any]) -> str:
+        if isinstance(payload, bytes):
+            return hash_media_bytes(kind, payload,
+                                    kwargs if kind == "image" else self._video_bytes_kwargs)
+        if isinstance(payload, Image.Image):
+            return hash_image(payload, kwargs)
+        assert isinstance(payload, tuple)
+        return hash_video(payload[0], kwargs, payload[1])
+
+    def _lookup(self, key: str) -> ItemMeta | None:
+        meta = self.cache.lookup(key) if self.cache is not None else None
+        with self._lock:
+            self.num_queries += 1
+            self.num_hits += meta is not None
+        return meta
+
+    def _from_meta(self, key: str, meta: ItemMeta) -> MMItem:
+        return MMItem(meta.modality, key, 0, 0, meta.grid_thw, None, meta.second_per_grid_t)
+
+    def _length(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.merge ** 2
+
+    def _process(self, kind: str, key: str, payload: Payload) -> MMItem:
+        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips."""
+        ip = self.image_processor
+        with self._lock:
+            self.num_items_processed += 1
+        if kind == "image":
+            img = decode_image(payload, self.media) if isinstance(payload, bytes) else payload
             w, h = img.size
             if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
                 raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
             out = ip(images=[img], return_tensors="pt")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            return MMItem("image", hash_image(img, self.image_hash_kwargs), 0, 0, grid,
-                          out["pixel_values"])
-        frames, fps = load_video(src, self.media)
+            return MMItem("image", key, 0, 0, grid, out["pixel_values"])
+        frames, fps = decode_video(payload, self.media) if isinstance(payload, bytes) \
+            else payload
         h, w = frames.shape[1:3]
         if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
             raise MediaError(f"video is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
         pv, grid = preprocess_video(frames, ip, min_pixels=self.video_min_pixels,
                                     max_pixels=self.video_max_pixels)
-        return MMItem("video", hash_video(frames, self.video_hash_kwargs, fps), 0, 0, grid,
-                      torch.from_numpy(pv), ip.temporal_patch_size / fps)
+        return MMItem("video", key, 0, 0, grid, torch.from_numpy(pv),
+                      ip.temporal_patch_size / fps)
+
+    # -- processor cache ------------------------------------------------------------------
+    def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor:
+        """Give an item that left without pixels (a processor-cache hit) its pixels again:
+        the router calls this when the worker it picked does not hold the item.
+
+        ValueError (a 400) when that is impossible: a uuid sent without data that no longer
+        has pixels anywhere, or a uuid whose data now differs from what it named before.
+        Blocking (it may fetch a URL and runs the HF processor): call it in a worker thread,
+        never under the lock that sends.
+        """
+        if item.pixel_values is not None:
+            return item.pixel_values
+        payload = source.payload
+        if payload is None:
+            raise ValueError(f"the {item.modality} with uuid {source.uuid!r} is no longer "
+                             f"cached; send the {item.modality} with it again")
+        if isinstance(payload, str):
+            payload = self._payload(item.modality, payload)
+            source.payload = payload  # fetch once
+        fresh = self._process(item.modality, item.mm_hash, payload)
+        if fresh.grid_thw != item.grid_thw or \
+                fresh.second_per_grid_t != item.second_per_grid_t or \
+                (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
+            if self.cache is not None:
+                self.cache.discard(item.mm_hash)
+            if source.uuid is None:  # a content key always gives the same result
+                raise RuntimeError(f"{item.modality} {item.mm_hash[:12]} processed differently "
+                                   "the second time")
+            raise ValueError(f"the {item.modality} with uuid {source.uuid!r} differs from the "
+                             "one sent before under that uuid")
+        item.pixel_values = fresh.pixel_values
+        return item.pixel_values
+
+    def ensure_pixels(self, prompt: ProcessedPrompt) -> None:
+        """``load_pixels`` for every item of ``prompt`` that has none."""
+        for item, source in zip(prompt.mm_items, prompt.mm_sources):
+            self.load_pixels(item, source)
+
+    def stats(self) -> dict[str, float]:
+        """Processor-cache counters of this P0 (the bytes are nominal: pixels the index
+        describes; the tensors themselves live in the workers or the shm ring)."""
+        cache = self.cache
+        return {"mm_processor_cache_queries": float(self.num_queries),
+                "mm_processor_cache_hits": float(self.num_hits),
+                "mm_processor_cache_index_bytes": float(cache.num_bytes if cache else 0),
+                "mm_processor_cache_index_entries": float(len(cache) if cache else 0),
+                "mm_items_processed": float(self.num_items_processed)}
 
     # -- expansion ------------------------------------------------------------------------
-    def _build(self, text: str, media: list[tuple[str, Any]], by_kind: bool = False
+    def _build(self, text: str, media: list[tuple[str, Any, str | None]], by_kind: bool = False
                ) -> ProcessedPrompt:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         pads = [i for i, t in enumerate(ids) if t in (self.image_token_id, self.video_token_id)]
         kinds = ["image" if ids[i] == self.image_token_id else "video" for i in pads]
         if by_kind:  # multi_modal_data lists: match placeholders of each kind in order
-            queues = {k: [s for kk, s in media if kk == k] for k in ("image", "video")}
+            queues = {k: [m for m in media if m[0] == k] for k in ("image", "video")}
             if any(len(queues[k]) != kinds.count(k) for k in queues):
                 raise ValueError(
                     f"the prompt has {kinds.count('image')} image and {kinds.count('video')} "
@@ -187,25 +365,26 @@ class InputProcessor:
                     f"{len(queues['video'])} videos were given; put "
                     "<|vision_start|><|image_pad|><|vision_end|> (or <|video_pad|>) in the "
                     "prompt once per item")
-            media = [(k, queues[k].pop(0)) for k in kinds]
-        elif [k for k, _ in media] != kinds:
+            media = [queues[k].pop(0) for k in kinds]
+        elif [k for k, _, _ in media] != kinds:
             raise ValueError("the chat template produced placeholders that do not match the "
                              "images/videos given")
         # Fail before decoding any media when the text alone cannot fit.
         self._check_len(len(ids) - len(pads))
         out_ids: list[int] = []
         items: list[MMItem] = []
+        sources: list[MediaSource] = []
         prev = 0
-        for pos, (kind, src) in zip(pads, media):
-            item = self._load(kind, src)
-            t, h, w = item.grid_thw
+        for pos, (kind, src, uuid) in zip(pads, media):
+            item, source = self._load(kind, src, uuid)
             out_ids += ids[prev:pos]
-            item.offset, item.length = len(out_ids), t * h * w // self.merge ** 2
+            item.offset, item.length = len(out_ids), self._length(item.grid_thw)
             items.append(item)
+            sources.append(source)
             out_ids += [ids[pos]] * item.length
             prev = pos + 1
         out_ids += ids[prev:]
-        return self._finish(ProcessedPrompt(out_ids, items, text))
+        return self._finish(ProcessedPrompt(out_ids, items, text, sources))
 
     def _check_len(self, n: int) -> None:
         # NOTE: `>=`: prompt + at least one output token must fit (engine/validate.py agrees).
@@ -220,4 +399,4 @@ class InputProcessor:
         return p
 
 
-__all__ = ["InputProcessor", "ProcessedPrompt"]
+__all__ = ["InputProcessor", "MediaSource", "ProcessedPrompt"]

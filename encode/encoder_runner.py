@@ -5,7 +5,7 @@ never requests or prompts.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +26,12 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def get_embeddings(self, items: list[MMItem]) -> dict[str, torch.Tensor]:
-        """Embeddings of ``items`` (deduplicated by hash), running the tower on misses only."""
+        """Embeddings of ``items`` (deduplicated by hash), running the tower on misses only.
+
+        The hits stay pinned while the misses are inserted, so one call never evicts what it
+        is about to return; callers that need entries across steps pin them themselves
+        (``cache.acquire`` / ``cache.release``).
+        """
         out: dict[str, torch.Tensor] = {}
         missing: dict[str, MMItem] = {}
         for it in items:
@@ -35,26 +40,29 @@ class EncoderRunner:
             if it.embedding is not None:  # encoded elsewhere (the encode pool)
                 out[it.mm_hash] = it.embedding
                 continue
-            self.cache.num_queries += 1
-            emb = self.cache.get(it.mm_hash)
+            emb = self.cache.lookup(it.mm_hash)
             if emb is None:
                 if it.pixel_values is None:
                     raise ValueError(f"{it.modality} {it.mm_hash[:12]} is neither cached nor attached")
                 missing[it.mm_hash] = it
             else:
-                self.cache.num_hits += 1
                 out[it.mm_hash] = emb
-        if missing:
+        if not missing:
+            return out
+        hits = [h for h in out if h in self.cache]
+        self.cache.acquire(hits)
+        try:
             todo = list(missing.values())
             pixels = torch.cat([it.pixel_values for it in todo]).to(self.device, self.dtype)
             grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long, device=self.device)
             embs = self.encode_fn(pixels, grid)
-            pinned = set(out) | set(missing)
             for it, emb in zip(todo, embs):
                 if emb.shape[0] != it.length:
                     raise ValueError(f"{it.modality} gave {emb.shape[0]} embedding rows for "
                                      f"{it.length} placeholder tokens")
-                self.cache.put(it.mm_hash, emb, pinned)
+                self.cache.put(it.mm_hash, emb)
                 out[it.mm_hash] = emb
             self.num_items_encoded += len(todo)
+        finally:
+            self.cache.release(hits)
         return out

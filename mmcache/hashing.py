@@ -1,12 +1,20 @@
-"""Multimodal content hashes: the key of every cache that holds image or video data.
+"""Multimodal content keys: the key of every cache that holds image or video data.
 
-A key covers what the processor sees (mode, size, dtype/shape, the pixel bytes) and every
-processor kwarg that changes its output. Hashing only the pixel bytes made a 30x100 and a
-100x30 image with the same bytes collide (CVE-2025-46722).
+A key is computed *before* anything is decoded or run through the HF processor, so a
+repeated image costs a hash at most. Three kinds, each behind its own domain tag:
 
-Encoding: a domain tag, then each field length-prefixed, so no two different inputs share
-a byte stream; kwargs as sorted, compact JSON (only JSON types: a repr could hold a memory
-address and differ between processes). blake2b-256, hex.
+- ``hash_media_bytes``: the encoded bytes a client sent (data URL payload, file bytes,
+  downloaded bytes). The same file as a data URL or as a path gives the same key.
+- ``hash_image`` / ``hash_video``: decoded pixels, for inputs that have no bytes (a PIL
+  image or a frame array given to the offline API). They cover mode, size, dtype and shape:
+  hashing only the pixel bytes made a 30x100 and a 100x30 image collide (CVE-2025-46722).
+- ``hash_uuid``: a client-chosen ``uuid`` of a content part; the client promises that one
+  uuid always names the same content (vLLM's semantics).
+
+Every key also covers the modality and every processor kwarg that changes the processed
+result. Encoding: a domain tag, then each field length-prefixed, so no two different inputs
+share a byte stream; kwargs as sorted, compact JSON (only JSON types: a repr could hold a
+memory address and differ between processes). blake2b-256, hex.
 """
 from __future__ import annotations
 
@@ -16,6 +24,9 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+MODALITIES = ("image", "video")
+MAX_UUID_LEN = 256  # a uuid is a label, not a payload
 
 
 def _field(h: Any, data: bytes) -> None:
@@ -31,8 +42,43 @@ def _kwargs_bytes(kwargs: dict[str, Any]) -> bytes:
         raise TypeError(f"processor kwargs must be plain JSON values to be hashed: {e}") from None
 
 
+def _check_modality(modality: str) -> None:
+    if modality not in MODALITIES:
+        raise ValueError(f"unknown modality {modality!r}")
+
+
+def hash_media_bytes(modality: str, data: bytes, processor_kwargs: dict[str, Any]) -> str:
+    """Key of encoded media bytes (an image or video file as sent), before decoding.
+
+    ``processor_kwargs`` must hold everything that turns these bytes into pixel values:
+    the image processor's settings and, for videos, the sampling settings (fps, frame cap).
+    """
+    _check_modality(modality)
+    h = hashlib.blake2b(digest_size=32)
+    _field(h, b"triptych.media-bytes.v1")
+    _field(h, modality.encode())
+    _field(h, _kwargs_bytes(processor_kwargs))
+    _field(h, data)
+    return h.hexdigest()
+
+
+def hash_uuid(modality: str, uuid: str, processor_kwargs: dict[str, Any]) -> str:
+    """Key of a client-named item: the uuid, scoped to the modality and processor kwargs
+    (the same uuid under other processor settings is other pixel values)."""
+    _check_modality(modality)
+    if not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_LEN:
+        raise ValueError(f"a content part's uuid must be a non-empty string of at most "
+                         f"{MAX_UUID_LEN} characters")
+    h = hashlib.blake2b(digest_size=32)
+    _field(h, b"triptych.uuid.v1")
+    _field(h, modality.encode())
+    _field(h, _kwargs_bytes(processor_kwargs))
+    _field(h, uuid.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
 def hash_image(img: Image.Image, processor_kwargs: dict[str, Any]) -> str:
-    """Content hash of a decoded image under the processor settings that will see it."""
+    """Key of a decoded image (no encoded bytes available) under the processor settings."""
     h = hashlib.blake2b(digest_size=32)
     _field(h, b"triptych.image.v1")
     _field(h, f"{img.mode}|{img.width}x{img.height}".encode())

@@ -113,12 +113,23 @@ def test_video_item_and_patch_layout_match_hf(proc):
     torch.testing.assert_close(single.pixel_values, ref)
 
 
-def test_mm_hashes(proc):
+def test_mm_hashes(proc, tmp_path):
+    url = png_url(img(6))
+    path = tmp_path / "six.png"
+    path.write_bytes(base64.b64decode(url.partition(",")[2]))
+    local = copy.copy(proc)
+    local.media = MediaLimits(allowed_local_media_path=str(tmp_path))
     conv = [{"role": "user", "content": [{"type": "image", "image": img(6)},
                                          {"type": "image", "image": img(7)},
-                                         {"type": "image_url", "image_url": {"url": png_url(img(6))}}]}]
-    h = [it.mm_hash for it in proc.process_chat(conv).mm_items]
-    assert h[0] != h[1] and h[0] == h[2]  # same content via PIL or data URL -> same key
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "image_url", "image_url": str(path)}]}]
+    local.limits = {"image": 4}
+    h = [it.mm_hash for it in local.process_chat(conv).mm_items]
+    # Encoded bytes are the key when there are bytes (data URL == file); a PIL image has
+    # none, so its key covers its pixels, mode and size instead.
+    assert h[2] == h[3] and len({h[0], h[1], h[2]}) == 3
+    again = [{"role": "user", "content": [{"type": "image", "image": img(6).copy()}]}]
+    assert local.process_chat(again).mm_items[0].mm_hash == h[0]
     data = np.random.default_rng(0).integers(0, 256, (30, 100, 3), dtype=np.uint8)
     wide, tall = Image.fromarray(data), Image.fromarray(data.reshape(100, 30, 3))
     assert wide.tobytes() == tall.tobytes() and hash_image(wide, {}) != hash_image(tall, {})
