@@ -2,18 +2,26 @@
 
     <prefix><owner pid>-<endpoint id>-<seq>      e.g. triptych-4242-9f3a01bc-17
 
-Written with pwrite and read with pread, never mmap: a peer that truncates a segment while
-we read it then gives a short read (a clean error) instead of SIGBUS, and there is no
-multiprocessing resource tracker to fight. Space is reserved with posix_fallocate, so a
-full /dev/shm fails the send (ENOSPC) instead of killing the writer later.
+The sender writes a message's tensors once with pwrite (a full /dev/shm is a clean
+ENOSPC, never a SIGBUS) into a fresh owner-only (0600) file. The receiver opens it,
+unlinks it at once (it now owns the bytes), checks it (regular file, this user's, the
+announced size, every tensor range inside) and maps it: the tensors it returns are views
+of that mapping (no copy; the receiver may write to them, nobody else holds the file), and
+the memory goes back to the system when the last of them is freed. No
+multiprocessing.shared_memory, so no resource tracker to fight.
 
-Ownership: the sender creates a segment (owner-only 0600) per message; the receiver that
-opens it unlinks it at once (it now owns the bytes); a segment nobody took within the
-sender's TTL is unlinked by the sender; a dead owner's leftovers (and its ipc socket
-directory) are removed by ``cleanup_stale``, which the supervisor runs.
+Ownership: a segment nobody took within the sender's TTL is unlinked by the sender; a
+dead owner's leftovers (and its ipc socket directory) are removed by ``cleanup_stale``,
+which the supervisor runs.
+
+NOTE: a mapped file that shrinks raises SIGBUS on access. Once the receiver has unlinked
+a segment only a process that already held it open could shrink it; the sender closes
+its descriptor before sending the handle, so that takes another process of this same
+user, which could harm us in many other ways anyway.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import shutil
@@ -28,7 +36,7 @@ from .envelope import BadMessage, ConnectorError, TensorSpec
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # every tensor starts on a cache line
 _PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,48}-$")
-_CHUNK = 1 << 30  # one pread/pwrite call at most (Linux caps a call near 2 GiB)
+_CHUNK = 1 << 30  # one pwrite call at most (Linux caps a call near 2 GiB)
 
 
 def check_prefix(prefix: str) -> str:
@@ -56,13 +64,12 @@ def write_segment(path: str, parts: list[np.ndarray], offsets: list[int], size: 
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
-        if size:
-            os.posix_fallocate(fd, 0, size)
         for arr, off in zip(parts, offsets):
             view = memoryview(arr).cast("B")
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:done + _CHUNK], off + done)
+        os.ftruncate(fd, size)  # the aligned tail
     except BaseException:
         os.close(fd)
         unlink(path)
@@ -70,11 +77,11 @@ def write_segment(path: str, parts: list[np.ndarray], offsets: list[int], size: 
     os.close(fd)
 
 
-def read_segment(path: str, size: int, specs: list[TensorSpec]) -> list[torch.Tensor]:
-    """Open, unlink (we own it now) and copy out every tensor's bytes, checking the file
-    (regular, ours, the announced size) and every range before reading."""
+def map_segment(path: str, size: int, specs: list[TensorSpec]) -> list[torch.Tensor]:
+    """Open, unlink (we own it now), check, and map the segment; return each tensor's
+    bytes as a flat uint8 view of the mapping."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise BadMessage("shared-memory segment is gone (sender reaped it or died)") from None
     except OSError as e:
@@ -89,20 +96,18 @@ def read_segment(path: str, size: int, specs: list[TensorSpec]) -> list[torch.Te
         for s in specs:
             if s.offset > size or s.nbytes > size - s.offset:
                 raise BadMessage("tensor range lies outside the shared-memory segment")
-        out = []
-        for s in specs:
-            flat = torch.empty(s.nbytes, dtype=torch.uint8)
-            view = memoryview(flat.numpy()).cast("B")
-            done = 0
-            while done < s.nbytes:
-                n = os.preadv(fd, [view[done:done + _CHUNK]], s.offset + done)
-                if n <= 0:
-                    raise BadMessage("shared-memory segment shrank while being read")
-                done += n
-            out.append(flat)
-        return out
+        if not size:
+            return [torch.empty(0, dtype=torch.uint8) for _ in specs]
+        # NOTE: shared, not copy-on-write: populating a private writable mapping copies
+        # every page up front. The file is unlinked and the sender closed it, so the pages
+        # are ours alone. Pre-faulted in one call: one fault per page costs more on a VM.
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    # Each view keeps the mapping alive; it is unmapped when the last one is freed.
+    return [torch.frombuffer(m, dtype=torch.uint8, count=s.nbytes, offset=s.offset)
+            if s.nbytes else torch.empty(0, dtype=torch.uint8) for s in specs]
 
 
 def unlink(path: str) -> bool:

@@ -1,7 +1,7 @@
 """shm: two processes on one host. Each message's tensors are written once into a fresh
 /dev/shm segment; only the envelope (header, specs, segment name) goes over a ZMQ ipc://
-socket in an owner-only (0700) directory. The receiver copies the tensors out and the
-segment is gone (see segments.py for who unlinks what, and when).
+socket in an owner-only (0700) directory. The receiver maps the segment (copy-on-write,
+no copy) and unlinks it at once; see segments.py for who unlinks what, and when.
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ class ShmConnector(ZmqEndpoint):
         path = self._segment_path(env)
         if env.segment_size > self.limits.max_message_bytes + segments.ALIGN * len(env.tensors):
             raise BadMessage("shared-memory segment over the message size limit")
-        flats = segments.read_segment(path, env.segment_size, list(env.tensors))
+        flats = segments.map_segment(path, env.segment_size, list(env.tensors))
         return [as_tensor(s, f) for s, f in zip(env.tensors, flats)]
 
     def _discard(self, env: Envelope) -> None:

@@ -90,7 +90,7 @@ def _recv_main(args: argparse.Namespace) -> None:
             if msg is None:
                 continue
             done = done or isinstance(msg.header, Done)
-            _emit({"kind": kind, "header": msgspec.to_builtins(msg.header),
+            _emit({"kind": kind, "prefix": args.prefix, "header": msgspec.to_builtins(msg.header),
                    "tensors": [digest(t) for t in msg.tensors], "peer_key": msg.peer_key})
     for c in conns.values():
         c.close()

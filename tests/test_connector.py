@@ -99,6 +99,9 @@ def test_roundtrip_and_stats(pair):
     assert torch.equal(msg.tensors[0], k) and torch.equal(msg.tensors[1], v)
     assert msg.tensors[0].dtype == torch.bfloat16 and 0 <= msg.seconds < 5
     assert n > msg.nbytes
+    if rx.kind != "inproc":  # received tensors are the receiver's to change in place
+        msg.tensors[0].mul_(2)
+        assert torch.equal(msg.tensors[0], k * 2) and not torch.equal(k, k * 2)
     assert tx.stats.sent["KVTransfer"].bytes == n and tx.stats.sent["KVTransfer"].messages == 1
     assert rx.stats.received["KVTransfer"].bytes == 2 * k.numel() * 2
     assert rx.recv(0) is None  # exactly one message

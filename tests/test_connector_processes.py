@@ -81,6 +81,8 @@ def _expect(p: P.Peer, kind: str, header: msgspec.Struct, tensors: list) -> None
     assert line.get("kind") == kind and "error" not in line, line
     assert line["header"] == msgspec.to_builtins(header)
     assert line["tensors"] == [P.digest(t) for t in tensors], f"bytes differ over {kind}"
+    if kind == "shm":  # the receiver unlinked the segment as it took it
+        assert not _segments(line["prefix"], os.getpid())
 
 
 def test_identical_bytes_between_processes(prefix):
