@@ -164,11 +164,9 @@ class ZmqEndpoint(Connector):
         if not self._pull.poll(timeout_ms, zmq.POLLIN):
             return None
         try:
-            parts = self._read_parts()
+            return self._decode(self._read_parts())
         except zmq.Again:  # NOTE: seen after a poll hit under CURVE; a wake-up, no message
             return None
-        try:
-            return self._decode(parts)
         except BadMessage:
             self.stats.bad_messages += 1
             raise
