@@ -38,6 +38,7 @@ class Ack(msgspec.Struct, tag="ack"):
     seq: int  # the message acknowledged
     seconds: float  # its one-way time as the receiver saw it
     nbytes: int  # tensor bytes it carried
+    cpu_s: float  # the receiver's process CPU time so far (all its threads)
 
 
 Msg = Transfer | Ack
@@ -71,7 +72,8 @@ def serve(kind: str, keys_dir: str | None) -> None:
     while not select.select([sys.stdin], [], [], 0)[0]:  # EOF on stdin: the parent is done
         msg = conn.recv(100)
         if msg is not None and isinstance(msg.header, Transfer):
-            conn.send(msg.header.ack_to, Ack(msg.header.seq, msg.seconds, msg.nbytes))
+            conn.send(msg.header.ack_to,
+                      Ack(msg.header.seq, msg.seconds, msg.nbytes, time.process_time()))
     conn.close()
 
 
@@ -87,21 +89,27 @@ def measure(conn, peer: str, blocks: int, reps: int, burst: int) -> dict:
             if isinstance(msg.header, Ack):
                 return msg.header
 
-    one_way, send_s = [], []
+    one_way, send_s, one_way_cpu = [], [], []
     for _ in range(reps + 1):  # the first warms the connection
         seq += 1
         t0 = time.perf_counter()
         conn.send(peer, Transfer(seq, conn.address), tensors)
         send_s.append(time.perf_counter() - t0)
-        one_way.append(wait_ack().seconds)
-    t0 = time.perf_counter()
+        ack = wait_ack()
+        one_way.append(ack.seconds)
+        one_way_cpu.append(ack.cpu_s)
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(burst):
         seq += 1
         conn.send(peer, Transfer(seq, conn.address), tensors)
-    nbytes = sum(wait_ack().nbytes for _ in range(burst))
+    acks = [wait_ack() for _ in range(burst)]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    nbytes = sum(a.nbytes for a in acks)
+    rx_cpu = acks[-1].cpu_s - one_way_cpu[-1]  # the receiver's CPU over the burst
     return {"mib": nbytes / burst / 2**20, "latency_ms": 1000 * statistics.median(one_way[1:]),
-            "send_ms": 1000 * statistics.median(send_s[1:]),
-            "gib_s": nbytes / (time.perf_counter() - t0) / 2**30}
+            "send_ms": 1000 * statistics.median(send_s[1:]), "gib_s": nbytes / wall / 2**30,
+            # CPU seconds both processes spent per GiB moved (the box's real cost)
+            "cpu_s_gib": (cpu + rx_cpu) / (nbytes / 2**30)}
 
 
 def run_kind(kind: str, blocks: list[int], reps: int, burst: int) -> list[dict]:
@@ -123,7 +131,8 @@ def run_kind(kind: str, blocks: list[int], reps: int, burst: int) -> list[dict]:
                 rx.recv(1000)
             dt = (time.perf_counter() - t0) / reps
             out.append({"kind": kind, "blocks": b, "mib": sum(t.nbytes for t in tensors) / 2**20,
-                        "latency_ms": 1000 * dt, "send_ms": float("nan"), "gib_s": float("nan")})
+                        "latency_ms": 1000 * dt, "send_ms": float("nan"), "gib_s": float("nan"),
+                        "cpu_s_gib": float("nan")})
         tx.close()
         rx.close()
         return out
@@ -169,11 +178,11 @@ def main() -> int:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, python {platform.python_version()}")
     print(f"{'transport':<11} {'blocks':>6} {'MiB':>7} {'latency ms':>11} {'send ms':>8} "
-          f"{'GiB/s':>6}")
+          f"{'GiB/s':>6} {'CPU s/GiB':>9}")
     for kind in args.kinds.split(","):
         for r in run_kind(kind, blocks, args.reps, args.burst):
             print(f"{r['kind']:<11} {r['blocks']:>6} {r['mib']:>7.1f} {r['latency_ms']:>11.2f} "
-                  f"{r['send_ms']:>8.2f} {r['gib_s']:>6.2f}", flush=True)
+                  f"{r['send_ms']:>8.2f} {r['gib_s']:>6.2f} {r['cpu_s_gib']:>9.2f}", flush=True)
     return 0
 
 

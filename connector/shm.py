@@ -51,13 +51,18 @@ class ShmConnector(ZmqEndpoint):
         # NOTE: the owner pid in the name lets cleanup_stale remove a dead process's files.
         self._dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-ipc-", dir=ipc_dir)
         path = os.path.join(self._dir, "rx")
-        if len(path) > _MAX_IPC_PATH:
-            os.rmdir(self._dir)
-            raise ConnectorError(f"ipc socket path too long: {path}")
-        super().__init__(zmq.Context(), header_type, limits, send_timeout_ms,
-                         max_frame_bytes=limits.max_header_bytes)
-        self.address = f"ipc://{path}"
-        self._pull.bind(self.address)
+        ctx = zmq.Context()
+        try:
+            if len(path) > _MAX_IPC_PATH:
+                raise ConnectorError(f"ipc socket path too long: {path}")
+            super().__init__(ctx, header_type, limits, send_timeout_ms,
+                             max_frame_bytes=limits.max_header_bytes)
+            self.address = f"ipc://{path}"
+            self._pull.bind(self.address)
+        except BaseException:
+            ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._pending: dict[str, float] = {}  # segments we made and nobody took: deadline
         self._lock = threading.Lock()
         self._stop = threading.Event()

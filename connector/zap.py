@@ -23,11 +23,13 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
 class ZapHandler:
-    _by_ctx: ClassVar[dict[int, ZapHandler]] = {}  # id(context) -> its handler
+    _by_ctx: ClassVar[dict[int, ZapHandler]] = {}  # libzmq context address -> its handler
     _lock = threading.Lock()
 
     def __init__(self, ctx: zmq.Context) -> None:
-        self.ctx = ctx
+        # NOTE: a plain (sync) shadow of the caller's context, which may be a
+        # zmq.asyncio.Context: the handler thread needs blocking sockets.
+        self.ctx = zmq.Context.shadow(ctx.underlying)
         self.denied = 0  # handshakes refused (a counter for tests and logs)
         self._allowed: dict[bytes, frozenset[bytes]] = {}  # domain -> client keys (z85)
         self._stop_addr = f"inproc://triptych-zap-stop-{id(self)}"
@@ -39,13 +41,13 @@ class ZapHandler:
     def acquire(cls, ctx: zmq.Context, domain: str, allowed: Iterable[bytes]) -> ZapHandler:
         """The context's handler (started on first use) with ``domain`` registered."""
         with cls._lock:
-            h = cls._by_ctx.get(id(ctx))
-            if h is None or h.ctx is not ctx:
+            h = cls._by_ctx.get(ctx.underlying)
+            if h is None:
                 h = cls(ctx)
                 h._thread.start()
                 if not h._ready.wait(5) or h._error:
                     raise ConnectorError(f"cannot start the ZAP handler: {h._error}")
-                cls._by_ctx[id(ctx)] = h
+                cls._by_ctx[ctx.underlying] = h
             h.set_allowed(domain, allowed)
             return h
 
@@ -63,7 +65,7 @@ class ZapHandler:
             self._allowed.pop(domain.encode(), None)
             if self._allowed:
                 return
-            ZapHandler._by_ctx.pop(id(self.ctx), None)
+            ZapHandler._by_ctx.pop(self.ctx.underlying, None)
             stop = self.ctx.socket(zmq.PUSH)
             stop.setsockopt(zmq.LINGER, 1000)
             stop.connect(self._stop_addr)
