@@ -91,6 +91,10 @@ class ZmqEndpoint(Connector):
         # NOTE: queue only on completed connections (handshake, CURVE included), so a
         # message to an absent or refusing peer times out instead of waiting in memory.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        # NOTE: pyzmq copies frames under copy_threshold and hands back an already-finished
+        # tracker for them; send_multipart returns the *last* frame's tracker, so a small
+        # last tensor would end send()'s wait while big ones are still being read.
+        sock.copy_threshold = 0
         self._prepare_push(sock, peer)
         sock.connect(target)
         self._peers[peer] = sock

@@ -322,3 +322,22 @@ def test_resolve_kind():
     for bad in [("shm", False, False), ("inproc", True, False), ("nccl", True, True)]:
         with pytest.raises(ValueError):
             resolve_kind(bad[0], same_host=bad[1], same_process=bad[2])
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_send_returns_only_when_the_tensors_may_be_reused(kind, prefix):
+    """The caller overwrites its tensors the moment send() returns; the receiver must still
+    get what was sent (a small last frame must not end the wait early)."""
+    rx = make_connector(kind, name="rx", header_type=Header, shm_prefix=prefix)
+    tx = make_connector(kind, name="tx", header_type=Header, shm_prefix=prefix)
+    try:
+        big, small = torch.ones(4 << 20), torch.ones(3)
+        for i in range(3):
+            tx.send(rx.address, Embeddings(str(i)), [big, small])
+            big.fill_(-1.0)  # reuse the buffer at once
+            msg = rx.recv(10000)
+            assert msg is not None and bool((msg.tensors[0] == 1).all())
+            big.fill_(1.0)
+    finally:
+        tx.close()
+        rx.close()
