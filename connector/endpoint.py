@@ -129,14 +129,19 @@ class ZmqEndpoint(Connector):
             left_ms = max(1, int((timeout_s - (time.perf_counter() - t0)) * 1000))
             sock.setsockopt(zmq.SNDTIMEO, left_ms)
             try:
-                tracker = sock.send_multipart([env, *frames], copy=False, track=True)
+                # Only frames that point into the caller's tensors are sent zero-copy and
+                # tracked. (An inproc message is released only when the receiver reads it:
+                # tracking the envelope there would make send wait for recv.)
+                tracker = sock.send_multipart([env, *frames], copy=not frames,
+                                              track=bool(frames))
             except zmq.Again:
                 raise SendTimeout(f"peer {peer} did not take the message in "
                                   f"{timeout_s:.1f} s") from None
             # Return only once ZMQ has let go of the tensors' memory (the caller may reuse
             # it); for tcp that is when the bytes are in the kernel's socket buffer.
             try:
-                tracker.wait(max(0.001, timeout_s - (time.perf_counter() - t0)))
+                if tracker is not None:
+                    tracker.wait(max(0.001, timeout_s - (time.perf_counter() - t0)))
             except zmq.NotDone:
                 raise SendTimeout(f"peer {peer} did not drain the message in "
                                   f"{timeout_s:.1f} s") from None
