@@ -119,6 +119,24 @@ def test_identical_bytes_between_processes(prefix):
         peer.kill()
 
 
+def test_inproc_identical_bytes_in_one_process():
+    rx = make_connector("inproc", name="sum-rx", header_type=P.Header)
+    tx = make_connector("inproc", name="sum-tx", header_type=P.Header)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for label, num_tokens in KV_CASES:
+                kv = kv_transfer(num_tokens, dtype, seed=num_tokens)
+                tx.send(rx.address, P.KVTransfer(label, [0], 3), kv)
+                msg = rx.recv(5000)
+                assert [P.digest(t) for t in msg.tensors] == [P.digest(t) for t in kv]
+            emb = embeddings(300, 256, dtype, seed=7)
+            tx.send(rx.address, P.Embeddings("img"), [emb])
+            assert P.digest(rx.recv(5000).tensors[0]) == P.digest(emb)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_curve_keeps_strangers_out(tmp_path):
     keydir = str(tmp_path / "keys")
     generate_keys(keydir, ["recv", "good", "stranger"])
