@@ -137,7 +137,7 @@ def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
     """Remove this user's segments in ``shm_dir`` and ipc socket directories in
     ``tmp_dir`` whose owner pid (the number after ``prefix``) is no longer alive. Returns
     the removed paths. Safe to run while live endpoints use the same prefix."""
-    owner = re.compile(rf"^{re.escape(check_prefix(prefix))}(\d{{1,10}})-")
+    owner = re.compile(rf"^{re.escape(check_prefix(prefix))}(\d{{1,10}})-(ipc-)?")
     removed = []
     for folder, want_dir in ((shm_dir, False), (tmp_dir or tempfile.gettempdir(), True)):
         try:
@@ -146,7 +146,9 @@ def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
             continue
         for e in entries:
             m = owner.match(e.name)
-            if not m or (want_dir and "-ipc-" not in e.name):
+            # Any file of a dead owner in /dev/shm is garbage; in /tmp only our socket
+            # directories (<prefix><pid>-ipc-*) are ours to judge.
+            if not m or (want_dir and not m.group(2)):
                 continue
             try:
                 st = e.stat(follow_symlinks=False)

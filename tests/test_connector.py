@@ -292,6 +292,8 @@ def test_cleanup_stale_spares_the_living(prefix):
     live = make_connector("shm", name="live", header_type=Header, shm_prefix=prefix)
     dead_pid = _dead_pid()
     os.makedirs(os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x"), mode=0o700)
+    other = os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-someone-elses")
+    os.makedirs(other, mode=0o700)  # not a socket dir of ours: never judged
     for name in (f"{prefix}{dead_pid}-0123abcd-1", f"{prefix}{os.getpid()}-0123abcd-1"):
         seg.write_segment(f"/dev/shm/{name}", [], [], 64)
     try:
@@ -300,8 +302,9 @@ def test_cleanup_stale_spares_the_living(prefix):
             f"/dev/shm/{prefix}{dead_pid}-0123abcd-1",
             os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x")])
         assert os.path.exists(f"/dev/shm/{prefix}{os.getpid()}-0123abcd-1")
-        assert os.path.exists(live.address.removeprefix("ipc://"))
+        assert os.path.exists(live.address.removeprefix("ipc://")) and os.path.isdir(other)
     finally:
+        os.rmdir(other)
         os.unlink(f"/dev/shm/{prefix}{os.getpid()}-0123abcd-1")
         live.close()
 
