@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "chat": ("triptych.chat_cmd", "interactive multi-turn chat in the terminal"),
     "make-tiny": ("triptych.models.tiny", "write a tiny random HF-format checkpoint (tests, demos)"),
     "bench": ("triptych.bench", "benchmarks: offline throughput vs HF, serving load"),
+    "keys": ("triptych.connector.keys_cmd", "make CURVE keypairs for pool workers across hosts"),
 }
 
 _HELP_SKIP = {"model"}
