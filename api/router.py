@@ -3,16 +3,28 @@
     submit(request_id, prompt, params) -> async iterator of RequestDelta (ValueError: refused)
     abort([ids]) · alive() · health() · stats() · new_request_id(prefix) · shutdown()
 
-    client request --fan out n--> child requests --pick a worker--> AddRequest (ROUTER socket)
-    worker StepOutputs (token ids) --> OutputProcessor (text, stop strings) --> RequestDelta
+A client request fans out into n children; each child runs through the pools of the layout
+(``api/layout.py``) and its token ids come back as StepOutputs, which the OutputProcessor
+turns into text. Per layout a child's path is:
 
-Workers are processes started and restarted by the ``Supervisor``; each connects a DEALER
-to this router's ROUTER socket with the identity ``<pool>-<index>#<incarnation>``, so an
-old incarnation's late messages are recognised and dropped. When a worker dies, each of
-its requests resumes on a live worker of the same pool from the tokens already streamed
-(greedy outputs equal an undisturbed run); with no live worker left they end at once with
-``EngineDeadError`` (HTTP 503, or an SSE error event mid-stream). A request that was on a
-worker that died MAX_MIGRATIONS times is failed instead: it may be what kills workers.
+    colocated / PD       AddRequest(pixels) -> one worker prefills, encodes and decodes
+    E+PD                 AddRequest(no pixels) -> decode worker; EncodeRequest -> encode
+                         worker, which sends the embeddings to that decode worker
+    P+D / E+P+D          ReserveKV -> decode worker (KVReserved); AddRequest(kv_dest) ->
+                         prefill worker (+ EncodeRequest -> encode worker); the prefill
+                         worker streams the first token, its KV goes to the decode worker,
+                         which streams the rest
+
+Workers are processes started and restarted by the ``Supervisor``; each connects a DEALER to
+this router's ROUTER socket with the identity ``<pool>-<index>#<incarnation>``. Every run of
+a child on the workers has its own core id (``<child>@<attempt>``), so nothing a previous
+attempt left behind (a late output, a late reservation) is taken for the current one.
+
+When a worker a child depends on dies (or a transfer fails), the child runs again on live
+workers from the tokens already streamed (greedy outputs equal an undisturbed run); with no
+live worker in a pool it needs, the request ends at once with ``EngineDeadError`` (HTTP 503,
+or an SSE error event mid-stream). A child whose workers died MAX_MIGRATIONS times is failed
+instead: it may be what kills them.
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from triptych.api.layout import Layout
 from triptych.api.processor import ProcessedPrompt
 from triptych.api.routing import PrefixIndex, pick
 from triptych.api.supervisor import Supervisor, Worker, make_run_dir
@@ -44,10 +57,15 @@ from triptych.engine.sampling_params import SamplingParams
 logger = logging.getLogger("triptych.router")
 MAX_MIGRATIONS = 2
 SEND_TIMEOUT_S = 5.0
+EMBEDDING_INDEX_ENTRY_BYTES = 1 << 20  # rough size of one image's embedding (routing hint)
 
 
 class EngineDeadError(RuntimeError):
     """No live worker can take, or finish, the request (the server answers 503)."""
+
+
+class _Retry(Exception):
+    """This attempt of a child cannot go on; run it again (counts as a migration)."""
 
 
 @dataclass(eq=False)
@@ -64,20 +82,24 @@ class _Child:
     child_id: str
     params: SamplingParams
     parent: _Parent
-    worker: Worker | None = None
-    cost: int = 0  # queued tokens charged to the worker
+    attempt: int = 0
+    worker: Worker | None = None  # streams its tokens now (a prefill worker until hand-off)
+    decode: Worker | None = None  # P/D: the decode worker that receives its KV
+    encode: Worker | None = None  # the encode worker encoding its items (until EncodeDone)
+    charges: list[tuple[Worker, int]] = field(default_factory=list)  # queued tokens
+    early: list[EngineCoreOutput] = field(default_factory=list)  # decode outputs that came
+    # before the prefill worker's hand-off output
+    reserved: asyncio.Future | None = None
     migrations: int = 0
     done: bool = False
 
+    @property
+    def core_id(self) -> str:
+        return f"{self.child_id}@{self.attempt}"
 
-def pool_layout(config: EngineConfig) -> dict[str, int]:
-    """Pool name -> worker count for the knobs (all pool sizes 0: colocated replicas)."""
-    if not config.decode_workers:
-        return {"colocated": config.data_parallel_size}
-    if config.encode_workers or config.prefill_workers:
-        raise ValueError("encode/prefill pools are not available in this build yet; "
-                         "use decode_workers alone (data-parallel PD workers)")
-    return {"decode": config.decode_workers}
+    @property
+    def workers(self) -> list[Worker]:
+        return [w for w in (self.worker, self.decode, self.encode) if w is not None]
 
 
 class Router:
@@ -85,22 +107,24 @@ class Router:
                  start_timeout_s: float = 600.0, threads_per_worker: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.layout = pool_layout(config)
+        self.layout = Layout.from_config(config)
         self.outputs = OutputProcessor(tokenizer)
         self._start_timeout_s = start_timeout_s
-        n_workers = sum(self.layout.values())
-        self._threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
+        self._threads = threads_per_worker or max(
+            1, (os.cpu_count() or 1) // self.layout.num_workers)
         self._parents: dict[str, _Parent] = {}
-        self._children: dict[str, _Child] = {}
+        self._by_core_id: dict[str, _Child] = {}  # the current attempt of each child
+        self._children: dict[str, _Child] = {}  # by child id
         self._by_name: dict[str, Worker] = {}
         self._load: dict[Worker, int] = {}
         self._prefix: dict[Worker, PrefixIndex] = {}
+        self._embeds: dict[Worker, PrefixIndex] = {}  # mm hashes a worker probably holds
         self._ids = itertools.count()
         self.migrations_total = 0
         self._tasks: list[asyncio.Task] = []
         self._closed = False
-        self._start_failure: str | None = None
         self._started = False
+        self._start_failure: str | None = None
         self.supervisor: Supervisor | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -113,26 +137,24 @@ class Router:
         self._sock.setsockopt(zmq.LINGER, 0)
         address = f"ipc://{self._dir}/router"
         self._sock.bind(address)
-        logger.info("router listening; sockets in %s", self._dir)
+        logger.info("router listening (%s); sockets in %s", self.layout, self._dir)
         self.supervisor = Supervisor(address, self.tokenizer.eos_token_id, self._on_worker_exit)
         config = dataclasses.asdict(self.config)
-        for pool, n in self.layout.items():
+        for pool, n in self.layout.pools.items():
             for i in range(n):
                 w = Worker(pool, i, config, self._threads)
                 self._load[w] = 0
                 self._prefix[w] = PrefixIndex(1)
-                self.supervisor.spawn(w)
+                self._embeds[w] = PrefixIndex(1)
                 self._by_name[w.name] = w
+                self.supervisor.spawn(w)
         self._tasks = [asyncio.create_task(self._read_loop()),
                        asyncio.create_task(self.supervisor.watch())]
         deadline = time.monotonic() + self._start_timeout_s
         while not all(w.state == "up" for w in self.supervisor.workers):
-            if self._start_failure:
+            if self._start_failure or time.monotonic() > deadline:
                 await self.shutdown()
-                raise EngineDeadError(self._start_failure)
-            if time.monotonic() > deadline:
-                await self.shutdown()
-                raise EngineDeadError("the workers did not start in time")
+                raise EngineDeadError(self._start_failure or "the workers did not start in time")
             await asyncio.sleep(0.05)
         self._started = True
 
@@ -153,23 +175,26 @@ class Router:
         self._sock.close(0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        from triptych.connector import cleanup_stale
+        cleanup_stale()  # segments and sockets of workers that died (their own are gone)
 
     # -- the interface --------------------------------------------------------------------
     def _live(self, pool: str) -> list[Worker]:
-        assert self.supervisor is not None
-        return [w for w in self.supervisor.workers if w.pool == pool and w.state == "up"]
+        return [w for w in (self.supervisor.workers if self.supervisor else [])
+                if w.pool == pool and w.state == "up"]
 
     def alive(self) -> bool:
-        return not self._closed and all(self._live(p) for p in self.layout)
+        return not self._closed and all(self._live(p) for p in self.layout.pools)
 
     def health(self) -> dict[str, Any]:
-        """{"status": ok | degraded | unavailable, "pools": {pool: {"live", "workers"}}}."""
+        """{"status": ok | degraded | unavailable, "layout", "pools": {pool: {"live",
+        "workers": [{index, pid, state, restarts, requests}]}}}."""
         pools: dict[str, Any] = {}
-        for pool in self.layout:
+        for pool in self.layout.pools:
             ws = [w for w in self.supervisor.workers if w.pool == pool] if self.supervisor else []
             pools[pool] = {"live": sum(w.state == "up" for w in ws), "workers": [
                 {"index": w.index, "pid": w.pid, "state": w.state, "restarts": w.restarts,
-                 "requests": sum(1 for c in self._children.values() if c.worker is w)}
+                 "requests": sum(1 for c in self._by_core_id.values() if w in c.workers)}
                 for w in ws]}
         if self._closed or any(p["live"] == 0 for p in pools.values()):
             status = "unavailable"
@@ -177,14 +202,14 @@ class Router:
             status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "pools": pools}
+        return {"status": status, "layout": str(self.layout), "pools": pools}
 
     def stats(self) -> dict[str, float]:
         """Every live worker's gauges and counters summed (KV usage averaged), each pool's
         under ``pool/<name>/<key>``, plus the router's own counters."""
         out: dict[str, float] = {}
-        for pool in self.layout:
-            ws = self._live(pool) if self.supervisor else []
+        for pool in self.layout.pools:
+            ws = self._live(pool)
             agg: dict[str, float] = {}
             for w in ws:
                 for k, v in w.stats.items():
@@ -194,7 +219,8 @@ class Router:
             agg["workers_live"] = len(ws)
             for k, v in agg.items():
                 out[f"pool/{pool}/{k}"] = v
-                out[k] = out.get(k, 0.0) + v
+                if k != "kv_cache_usage_perc" or pool in ("colocated", "decode"):
+                    out[k] = out.get(k, 0.0) + v
         out["worker_restarts_total"] = self.supervisor.restarts_total if self.supervisor else 0
         out["request_migrations_total"] = self.migrations_total
         return out
@@ -213,20 +239,24 @@ class Router:
         if self._closed:
             raise EngineDeadError("the server is shutting down")
         params.verify()
+        wire.encode(wire.AddRequest(request_id, prompt.prompt_token_ids, params))  # ValueError
         parent = _Parent(request_id, prompt, asyncio.Queue())
         kids = self.outputs.add(request_id, prompt.prompt_text, prompt.prompt_token_ids,
                                 params, stream)
         self._parents[request_id] = parent
         parent.children = [_Child(cid, sp, parent) for cid, sp in kids]
-        for c in parent.children:
-            self._children[c.child_id] = c
         finished = False
         try:
             parent.hashes = chain_hashes(prompt.prompt_token_ids, prompt.mm_items,
                                          self.config.block_size)
-            worker = self._choose(parent)
+            for pool in self.layout.pools_for(bool(prompt.mm_items)):
+                if not self._live(pool):
+                    raise EngineDeadError(f"no live worker in the {pool} pool (restarting); "
+                                          "retry shortly")
             for c in parent.children:
-                await self._dispatch(c, worker)
+                self._by_core_id[c.core_id] = c
+                self._children[c.child_id] = c
+                asyncio.ensure_future(self._run(c))
             while True:
                 item = await parent.queue.get()
                 if isinstance(item, Exception):
@@ -238,9 +268,11 @@ class Router:
                     return
         finally:
             for c in parent.children:
-                if not finished and not c.done and c.worker is not None:
-                    await self._send(c.worker, wire.AbortRequest([c.child_id]))
-                self._release(c)
+                if not finished and not c.done:
+                    await self._stop(c)
+                c.done = True
+                self._forget(c)
+                self._children.pop(c.child_id, None)
             self._parents.pop(request_id, None)
             self.outputs.drop(request_id)
 
@@ -251,41 +283,129 @@ class Router:
             if parent is None:
                 continue
             for c in parent.children:
-                if not c.done and c.worker is not None:
-                    await self._send(c.worker, wire.AbortRequest([c.child_id]))
+                if not c.done:
+                    await self._stop(c)
                 c.done = True
-                self._release(c)
+                self._forget(c)
             out = self.outputs.finish(rid, "abort")
             if out is not None:
                 parent.queue.put_nowait(_delta(out))
 
-    # -- dispatch -------------------------------------------------------------------------
-    def _choose(self, parent: _Parent, exclude: Worker | None = None) -> Worker:
-        pool = next(iter(self.layout))
+    # -- running a child on the pools -------------------------------------------------------
+    async def _run(self, c: _Child) -> None:
+        """Start the current attempt of a child; a failure to start retries or fails it."""
+        try:
+            if self.layout.has_prefill_pool:
+                await self._run_disaggregated(c)
+            else:
+                await self._run_together(c)
+        except _Retry as e:
+            await self._retry(c, str(e), c.attempt)
+        except EngineDeadError as e:
+            self._fail(c, e)
+        except ValueError as e:  # a value the wire refuses (the request's fault)
+            self._fail(c, e)
+        except Exception:  # our bug: log it, end this request only
+            logger.exception("running %s failed", c.core_id)
+            self._fail(c, EngineDeadError("internal error"))
+
+    async def _run_together(self, c: _Child) -> None:
+        """colocated / PD / E+PD: one worker prefills and decodes."""
+        p = c.parent
+        w = self._choose(self.layout.main_pool, p)
+        c.worker = w
+        self._charge(c, w, len(p.prompt.prompt_token_ids) + (c.params.max_tokens or 0))
+        items, frames, encoding = self._items_for(w, c)
+        msg = wire.AddRequest(c.core_id, p.prompt.prompt_token_ids, c.params, items,
+                              self.outputs.token_ids(c.child_id), encoding=encoding)
+        await self._send_or_retry(w, msg, frames)
+        await self._encode(c, w, encoding)
+
+    async def _run_disaggregated(self, c: _Child) -> None:
+        """P+D / E+P+D: reserve KV on a decode worker, then prefill on a prefill worker."""
+        p = c.parent
+        emitted = self.outputs.token_ids(c.child_id)
+        d = self._choose("decode", p)
+        c.decode = d
+        self._charge(c, d, len(p.prompt.prompt_token_ids) + (c.params.max_tokens or 0))
+        c.reserved = asyncio.get_running_loop().create_future()
+        meta = [_wire_item(it, with_pixels=False) for it in p.prompt.mm_items]
+        await self._send_or_retry(d, wire.ReserveKV(c.core_id, p.prompt.prompt_token_ids,
+                                                    c.params, meta, emitted))
+        try:  # the decode worker queues the reservation while it has no room; bounded
+            reserved = await asyncio.wait_for(c.reserved, self.config.kv_transfer_timeout + 5)
+        except asyncio.TimeoutError:
+            raise _Retry(f"{d.name} reserved no KV blocks in time") from None
+        if c.done:
+            return
+        pw = self._choose("prefill", p)
+        c.worker = pw
+        self._charge(c, pw, len(p.prompt.prompt_token_ids))
+        items, frames, encoding = self._items_for(pw, c)
+        dest = wire.KVDest(d.name, d.info["data_address"], reserved.num_blocks,
+                           reserved.num_cached_blocks)
+        await self._send_or_retry(pw, wire.AddRequest(
+            c.core_id, p.prompt.prompt_token_ids, c.params, items, emitted, dest, encoding),
+            frames)
+        await self._encode(c, pw, encoding)
+
+    def _items_for(self, target: Worker, c: _Child
+                   ) -> tuple[list[wire.WireMMItem], list[bytes], list[str]]:
+        """The items as ``target`` gets them: with pixels when it encodes itself; else
+        without, plus the hashes an encode worker must send it (those it lacks)."""
+        mm = c.parent.prompt.mm_items
+        if not self.layout.has_encode_pool:
+            items = [_wire_item(it, with_pixels=True) for it in mm]
+            return items, wire.encode_tensors([it.pixel_values for it in mm]), []
+        held = self._embeds[target]
+        encoding = [it.mm_hash for it in mm if not held.match([it.mm_hash])]
+        return [_wire_item(it, with_pixels=False) for it in mm], [], list(dict.fromkeys(encoding))
+
+    async def _encode(self, c: _Child, target: Worker, hashes: list[str]) -> None:
+        """Ask an encode worker to send ``target`` the embeddings of ``hashes``."""
+        if not hashes:
+            return
+        todo = [it for it in c.parent.prompt.mm_items if it.mm_hash in hashes]
+        todo = list({it.mm_hash: it for it in todo}.values())
+        e = self._choose("encode", c.parent)
+        c.encode = e
+        self._embeds[target].capacity = max(16, int(target.info.get("encoder_cache_bytes", 0))
+                                            // EMBEDDING_INDEX_ENTRY_BYTES)
+        self._embeds[target].record([it.mm_hash for it in todo])
+        msg = wire.EncodeRequest(c.core_id, [_wire_item(it, with_pixels=True) for it in todo],
+                                 target.info["data_address"])
+        await self._send_or_retry(e, msg, wire.encode_tensors([it.pixel_values for it in todo]))
+
+    def _choose(self, pool: str, parent: _Parent, exclude: Worker | None = None) -> Worker:
         live = [w for w in self._live(pool) if w is not exclude]
         if not live:
             raise EngineDeadError(f"no live worker in the {pool} pool (restarting); retry "
                                   "shortly")
-        return pick(live, [self._load[w] for w in live],
-                    [self._prefix[w].match(parent.hashes) for w in live],
-                    slack=self.config.max_num_batched_tokens)
+        w = pick(live, [self._load[w] for w in live],
+                 [self._prefix[w].match(parent.hashes) for w in live],
+                 slack=self.config.max_num_batched_tokens)
+        if pool != "encode":
+            self._prefix[w].capacity = int(w.info.get("num_kv_blocks", 1))
+            self._prefix[w].record(parent.hashes)
+        return w
 
-    async def _dispatch(self, c: _Child, worker: Worker) -> None:
-        """Send a child to a worker (with the tokens it already streamed, if any)."""
-        p = c.parent
-        emitted = self.outputs.token_ids(c.child_id)
-        items = [wire.WireMMItem(it.modality, it.mm_hash, it.offset, it.length,
-                                 list(it.grid_thw), wire.tensor_meta(it.pixel_values),
-                                 it.second_per_grid_t) for it in p.prompt.mm_items]
-        msg = wire.AddRequest(c.child_id, p.prompt.prompt_token_ids, c.params, items, emitted)
-        frames = wire.encode(msg, [it.pixel_values for it in p.prompt.mm_items])  # ValueError
-        c.worker = worker
-        c.cost = len(p.prompt.prompt_token_ids) + (c.params.max_tokens or 0) - len(emitted)
-        self._load[worker] += c.cost
-        self._prefix[worker].capacity = int(worker.info.get("num_kv_blocks", 1))
-        self._prefix[worker].record(p.hashes)
-        if not await self._send_frames(worker, frames):
-            await self._recover(c, worker)
+    def _charge(self, c: _Child, w: Worker, tokens: int) -> None:
+        self._load[w] += tokens
+        c.charges.append((w, tokens))
+
+    def _uncharge(self, c: _Child, only: Worker | None = None) -> None:
+        keep = []
+        for w, n in c.charges:
+            if only is None or w is only:
+                self._load[w] -= n
+            else:
+                keep.append((w, n))
+        c.charges = keep
+
+    async def _send_or_retry(self, w: Worker, msg: msgspec.Struct,
+                             frames: list[bytes] | None = None) -> None:
+        if not await self._send_frames(w, wire.encode(msg) + (frames or [])):
+            raise _Retry(f"{w.name} is not reachable")
 
     async def _send(self, worker: Worker, msg: msgspec.Struct) -> bool:
         return await self._send_frames(worker, wire.encode(msg))
@@ -299,11 +419,49 @@ class Router:
         except (zmq.ZMQError, asyncio.TimeoutError):
             return False
 
-    def _release(self, c: _Child) -> None:
-        if c.worker is not None:
-            self._load[c.worker] -= c.cost
-        c.cost = 0
-        self._children.pop(c.child_id, None)
+    async def _stop(self, c: _Child) -> None:
+        """Abort the current attempt on every worker involved (best effort)."""
+        for w in c.workers:
+            if w.state == "up":
+                await self._send(w, wire.AbortRequest([c.core_id]))
+
+    def _forget(self, c: _Child) -> None:
+        self._by_core_id.pop(c.core_id, None)
+        self._uncharge(c)
+        if c.reserved is not None and not c.reserved.done():
+            c.reserved.cancel()
+        c.worker = c.decode = c.encode = c.reserved = None
+        c.early = []
+
+    async def _retry(self, c: _Child, reason: str, attempt: int, count: bool = True) -> None:
+        """Run a child again on live workers, from the tokens it already streamed. Only the
+        first of several failures reported for one attempt starts another."""
+        if c.done or c.attempt != attempt or c.parent.request_id not in self._parents:
+            return
+        await self._stop(c)
+        self._forget(c)
+        if count:
+            if c.migrations >= MAX_MIGRATIONS:
+                self._fail(c, EngineDeadError(
+                    "the request's workers failed repeatedly; it was stopped"))
+                return
+            c.migrations += 1
+            self.migrations_total += 1
+        c.attempt += 1
+        logger.warning("running %s again (%s) after %d streamed tokens", c.child_id, reason,
+                       len(self.outputs.token_ids(c.child_id)))
+        self._by_core_id[c.core_id] = c
+        await self._run(c)
+
+    def _fail(self, c: _Child, err: Exception) -> None:
+        """End the client request: one child failing fails it (its siblings are freed)."""
+        parent = c.parent
+        for sib in parent.children:
+            if not sib.done:
+                sib.done = True
+                asyncio.ensure_future(self._stop(sib))
+        if parent.request_id in self._parents:
+            parent.queue.put_nowait(err)
 
     # -- worker messages --------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -328,77 +486,96 @@ class Router:
             self._on_outputs(worker, msg.outputs)
         elif isinstance(msg, wire.WorkerStats):
             worker.stats = msg.values
-        elif isinstance(msg, wire.RequestError):
-            self._fail_child(worker, msg.request_id, ValueError(msg.message))
         elif isinstance(msg, wire.Hello):
             worker.state = "up"
-            worker.info = {"pid": msg.pid, "max_model_len": msg.max_model_len,
-                           "num_kv_blocks": msg.num_kv_blocks}
+            worker.info = msgspec.structs.asdict(msg)
             logger.info("%s is up (pid %d)", worker.identity, msg.pid)
+        else:
+            c = self._by_core_id.get(getattr(msg, "request_id", ""))
+            if c is not None and not c.done and worker in c.workers:
+                self._on_request_message(worker, c, msg)
+
+    def _on_request_message(self, worker: Worker, c: _Child, msg: msgspec.Struct) -> None:
+        if isinstance(msg, wire.KVReserved):
+            if c.reserved is not None and not c.reserved.done():
+                c.reserved.set_result(msg)
+        elif isinstance(msg, wire.EncodeDone):
+            c.encode = None
+        elif isinstance(msg, wire.NeedEmbeddings):
+            self._embeds[worker].discard(msg.mm_hashes)  # its cache let them go
+            asyncio.ensure_future(self._encode_or_retry(c, worker, msg.mm_hashes))
+        elif isinstance(msg, wire.HandBack):  # preempted where it cannot be recomputed
+            asyncio.ensure_future(self._retry(c, f"handed back by {worker.name}", c.attempt,
+                                              count=False))
+        elif isinstance(msg, wire.RequestError):
+            if msg.retryable:
+                asyncio.ensure_future(self._retry(c, f"{worker.name}: {msg.message}",
+                                                  c.attempt))
+            else:
+                self._fail(c, ValueError(msg.message))
+
+    async def _encode_or_retry(self, c: _Child, target: Worker, hashes: list[str]) -> None:
+        attempt = c.attempt
+        try:
+            await self._encode(c, target, hashes)
+        except (_Retry, EngineDeadError) as e:
+            await self._retry(c, str(e), attempt)
 
     def _on_outputs(self, worker: Worker, outs: list[EngineCoreOutput]) -> None:
-        mine = []
+        mine: list[EngineCoreOutput] = []
         for o in outs:
-            c = self._children.get(o.request_id)
-            if c is not None and c.worker is worker and not c.done:
-                mine.append(o)
-                if o.finish_reason is not None:
-                    c.done = True
-                    self._load[worker] -= c.cost
-                    c.cost = 0
+            c = self._by_core_id.get(o.request_id)
+            if c is None or c.done:
+                continue
+            if c.worker is worker:
+                mine += self._accept(c, worker, o)
+            elif c.decode is worker and c.worker is not None:
+                c.early.append(o)  # the decode side overtook the prefill side's hand-off
         results, stopped = self.outputs.process(mine)
         for cid in stopped:  # stop strings: the worker need not go on
             c = self._children.get(cid)
-            if c is not None and c.worker is not None:
+            if c is not None:
                 c.done = True
-                asyncio.ensure_future(self._send(c.worker, wire.AbortRequest([cid])))
+                asyncio.ensure_future(self._stop(c))
+                self._uncharge(c)
         for r in results:
             parent = self._parents.get(r.request_id)
             if parent is not None:
                 parent.queue.put_nowait(_delta(r))
 
-    def _fail_child(self, worker: Worker, child_id: str, err: Exception) -> None:
-        c = self._children.get(child_id)
-        if c is None or c.worker is not worker:
-            return
-        c.done = True
-        for sib in c.parent.children:  # the whole client request fails: free its siblings
-            if sib is not c and not sib.done and sib.worker is not None:
-                sib.done = True
-                asyncio.ensure_future(self._send(sib.worker, wire.AbortRequest([sib.child_id])))
-        c.parent.queue.put_nowait(err)
+    def _accept(self, c: _Child, worker: Worker, o: EngineCoreOutput) -> list[EngineCoreOutput]:
+        """The outputs of one worker output, in the OutputProcessor's terms (child ids)."""
+        o = msgspec.structs.replace(o, request_id=c.child_id)
+        if o.finish_reason == "handoff":  # the prefill worker is done; the decode one goes on
+            self._uncharge(c, only=worker)
+            c.worker = c.decode
+            early, c.early = c.early, []
+            return [msgspec.structs.replace(o, finish_reason=None)] + [
+                msgspec.structs.replace(e, request_id=c.child_id) for e in early]
+        if o.finish_reason is not None:
+            c.done = True
+            if c.decode is not None and c.decode is not worker:  # ended before the hand-off
+                asyncio.ensure_future(self._send(c.decode, wire.AbortRequest([c.core_id])))
+            self._uncharge(c)
+        return [o]
 
     # -- failures ----------------------------------------------------------------------------
     def _on_worker_exit(self, worker: Worker, code: int) -> None:
-        """Supervisor callback: move (or fail) every request the dead worker held."""
+        """Supervisor callback: run again (or fail) every child the dead worker served."""
         if not self._started:
             self._start_failure = (f"worker {worker.name} exited with code {code} during "
                                    "start-up (see its log above)")
             return
         self._prefix[worker].clear()
-        for c in [c for c in self._children.values() if c.worker is worker and not c.done]:
-            asyncio.ensure_future(self._recover(c, worker))
+        self._embeds[worker].clear()
+        for c in [c for c in self._by_core_id.values() if worker in c.workers and not c.done]:
+            asyncio.ensure_future(self._retry(c, f"{worker.name} died", c.attempt))
 
-    async def _recover(self, c: _Child, dead: Worker) -> None:
-        if c.done or c.parent.request_id not in self._parents:
-            return
-        self._load[dead] -= c.cost
-        c.cost, c.worker = 0, None
-        if c.migrations >= MAX_MIGRATIONS:
-            c.parent.queue.put_nowait(EngineDeadError(
-                "the request was on workers that died repeatedly; it was stopped"))
-            return
-        try:
-            target = self._choose(c.parent, exclude=dead)
-        except EngineDeadError as e:
-            c.parent.queue.put_nowait(EngineDeadError(
-                f"the engine process died; {e}"))
-            return
-        c.migrations += 1
-        self.migrations_total += 1
-        logger.warning("moving %s from %s to %s after %d streamed tokens", c.child_id,
-                       dead.identity, target.identity, len(self.outputs.token_ids(c.child_id)))
-        await self._dispatch(c, target)
+
+def _wire_item(it: Any, with_pixels: bool) -> wire.WireMMItem:
+    return wire.WireMMItem(it.modality, it.mm_hash, it.offset, it.length, list(it.grid_thw),
+                           wire.tensor_meta(it.pixel_values) if with_pixels else None,
+                           it.second_per_grid_t)
 
 
 def _delta(r: RequestOutput) -> wire.RequestDelta:

@@ -20,9 +20,9 @@ W = TypeVar("W")
 class PrefixIndex:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = max(1, capacity_blocks)
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._hashes: OrderedDict[bytes | str, None] = OrderedDict()
 
-    def match(self, hashes: Sequence[bytes]) -> int:
+    def match(self, hashes: Sequence[bytes | str]) -> int:
         """Leading blocks of ``hashes`` this worker probably holds."""
         n = 0
         for h in hashes:
@@ -31,12 +31,16 @@ class PrefixIndex:
             n += 1
         return n
 
-    def record(self, hashes: Sequence[bytes]) -> None:
+    def record(self, hashes: Sequence[bytes | str]) -> None:
         for h in hashes:
             self._hashes[h] = None
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
+
+    def discard(self, hashes: Sequence[bytes | str]) -> None:
+        for h in hashes:
+            self._hashes.pop(h, None)
 
     def clear(self) -> None:
         self._hashes.clear()

@@ -34,7 +34,8 @@ WATCH_INTERVAL_S = 0.2
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 RUN_DIR_PREFIX = "triptych-"
 _RUN_DIR_RE = re.compile(r"^triptych-(\d+)-")
-POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decode.worker"}
+POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decode.worker",
+                "prefill": "triptych.prefill.worker", "encode": "triptych.encode.worker"}
 
 
 @dataclass(eq=False)

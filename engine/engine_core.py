@@ -71,6 +71,7 @@ class ModelShape:
     image_token_id: int
     video_token_id: int
     vocab_size: int
+    hidden_size: int
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
@@ -87,6 +88,7 @@ class ModelShape:
             image_token_id=hf.image_token_id,
             video_token_id=hf.video_token_id,
             vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
         )
 
 
@@ -128,6 +130,8 @@ class EngineCore:
             head_dim=self.shape.head_dim, dtype=self.dtype, device=self.device,
             ops=get_ops(backend), seed=config.seed)
         self.attention_backend = backend
+        self.hidden_size = self.shape.hidden_size
+        self.last_preempted: list[str] = []  # request ids the last step preempted
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_steps = 0  # steps whose batch had to be bisected
@@ -216,6 +220,7 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
+        self.last_preempted = sched.preempted_ids
         if sched.empty:
             return []
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}

@@ -67,6 +67,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     output_token_ids: list[int] = []  # tokens already streamed (a request resumed here
     # after its worker died): recomputed, never emitted again
     kv_dest: KVDest | None = None  # prefill worker: stop after one new token, send the KV here
+    encoding: list[str] = []  # mm hashes an encode worker was asked to send here (items
+    # without pixels that are not listed are expected in this worker's encoder cache)
 
 
 class EncodeRequest(msgspec.Struct, tag="encode"):
@@ -114,6 +116,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
 class RequestError(msgspec.Struct, tag="error"):
     request_id: str  # the request the worker refused
     message: str  # safe for the client: names the problem, no internals
+    retryable: bool = False  # not the request's fault (a transfer timed out): run it again
 
 
 class WorkerStats(msgspec.Struct, tag="stats"):
@@ -196,9 +199,12 @@ def encode(msg: msgspec.Struct, tensors: list[torch.Tensor] | None = None) -> li
         frames = [_enc.encode(msg)]
     except (OverflowError, TypeError, msgspec.EncodeError) as e:
         raise ValueError(f"the request has a value that cannot be sent: {e}") from None
-    for t in tensors or []:  # raw bytes (bf16 has no numpy dtype: go through uint8)
-        frames.append(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return frames
+    return frames + encode_tensors(tensors or [])
+
+
+def encode_tensors(tensors: list[torch.Tensor]) -> list[bytes]:
+    """Raw bytes of each tensor (bf16 has no numpy dtype: go through uint8)."""
+    return [t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors]
 
 
 def decode_to_worker(frames: list[bytes]) -> ToWorker:

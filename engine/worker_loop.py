@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import zmq
@@ -50,14 +50,44 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     num_threads: int = 1  # torch intra-op threads of this worker
 
 
-class Handler(Protocol):
-    """The pool-specific part of a worker."""
+class Handler:
+    """The pool-specific part of a worker. Every method returns messages for the router."""
 
-    def hello(self, spec: WorkerSpec) -> wire.Hello: ...
-    def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]: ...
-    def has_work(self) -> bool: ...
-    def step(self) -> list[msgspec.Struct]: ...
-    def stats(self) -> dict[str, float]: ...
+    def hello(self, spec: WorkerSpec) -> wire.Hello:
+        raise NotImplementedError
+
+    def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]:
+        """One control message from the router."""
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        """Whether ``step`` has something to compute (else the loop waits for input)."""
+        return False
+
+    def step(self) -> list[msgspec.Struct]:
+        return []
+
+    def after_step(self) -> list[msgspec.Struct]:
+        """Runs once ``step``'s replies are sent (e.g. KV that must leave after them)."""
+        return []
+
+    def data_socket(self) -> zmq.Socket | None:
+        """The connector socket to poll beside the router's (pool workers)."""
+        return None
+
+    def on_data(self) -> list[msgspec.Struct]:
+        """The data socket is readable: take what arrived."""
+        return []
+
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        """Every loop iteration: leases, timeouts, queued work."""
+        return []
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Release sockets, segments, files (the process is about to exit)."""
 
 
 class _Named(msgspec.Struct):
@@ -110,6 +140,7 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
     torch.set_num_threads(max(1, spec.num_threads))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    handler: Handler | None = None
     try:
         _check_parent(spec)
         handler = make_handler(spec)
@@ -129,6 +160,8 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
     finally:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
+        if handler is not None:
+            handler.close()
         sock.close(0)
         ctx.term()
 
@@ -165,18 +198,30 @@ def _send(sock: zmq.Socket, msg: msgspec.Struct, spec: WorkerSpec) -> None:
 def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    data = handler.data_socket()
+    if data is not None:
+        poller.register(data, zmq.POLLIN)
     last_stats = 0.0
     while True:
         _check_parent(spec)
         timeout = 0 if handler.has_work() else IDLE_POLL_MS
         for _ in range(1024):  # drain what arrived (bounded: a flood cannot starve steps)
-            if not dict(poller.poll(timeout)):
+            ready = dict(poller.poll(timeout))
+            if not ready:
                 break
             timeout = 0
-            for reply in _receive(handler, sock.recv_multipart(copy=True)):
-                _send(sock, reply, spec)
+            if sock in ready:  # control first: a request is known before its data lands
+                for reply in _receive(handler, sock.recv_multipart(copy=True)):
+                    _send(sock, reply, spec)
+            if data is not None and data in ready:
+                for reply in handler.on_data():
+                    _send(sock, reply, spec)
+        for reply in handler.housekeeping(time.monotonic()):
+            _send(sock, reply, spec)
         if handler.has_work():
             for reply in handler.step():
+                _send(sock, reply, spec)
+            for reply in handler.after_step():
                 _send(sock, reply, spec)
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:
