@@ -1,5 +1,10 @@
 """LLM: the offline entry point for batch jobs (OCR pipelines, evaluations).
 
+By default the engine runs in this process. With pool knobs (``encode_workers``,
+``prefill_workers``, ``decode_workers``) or ``data_parallel_size > 1`` the same router and
+worker processes as ``triptych serve``'s run the batch (``llm.close()`` stops them; they
+also stop when this process exits).
+
     from triptych import LLM, SamplingParams
     llm = LLM(model="/path/to/checkpoint", max_num_seqs=64)
     outs = llm.chat([{"role": "user", "content": [
@@ -28,16 +33,40 @@ class LLM:
         from triptych.api.media import MediaLimits
         from triptych.api.processor import InputProcessor
 
+        from transformers import AutoConfig, AutoTokenizer
+        from triptych.api.layout import Layout
+        from triptych.engine.engine_core import resolve_max_model_len
+
         self.config = EngineConfig.from_kwargs(model=model, **knobs)
-        self.engine = LLMEngine(self.config)
+        self.layout = Layout.from_config(self.config)
+        self.engine: LLMEngine | None = None
+        self.pools = None  # RouterThread when the work runs in worker processes
+        if str(self.layout) == "colocated x1":
+            self.engine = LLMEngine(self.config)
+            tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
+        else:
+            from triptych.api.router_thread import RouterThread
+
+            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model,
+                                                      local_files_only=True)
+            hf = AutoConfig.from_pretrained(model, local_files_only=True)
+            max_len = resolve_max_model_len(
+                self.config, getattr(hf, "text_config", hf).max_position_embeddings)
+            self.pools = RouterThread(self.config, tokenizer)
+        self.tokenizer = tokenizer
         self.processor = InputProcessor(
             model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
             media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
-            max_model_len=self.engine.max_model_len)
+            max_model_len=max_len, tokenizer=tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.tokenizer
+
+    def close(self) -> None:
+        """Stop the worker processes (pools); the in-process engine needs nothing."""
+        if self.pools is not None:
+            self.pools.close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -76,6 +105,15 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(processed)
         if len(plist) != len(processed):
             raise ValueError(f"{len(plist)} sampling params for {len(processed)} prompts")
+        bar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        if self.pools is not None:
+            reqs = [(str(next(self._ids)), pp, sp) for pp, sp in zip(processed, plist)]
+            try:
+                return self.pools.run(reqs, lambda out: bar.update(1))
+            finally:
+                bar.close()
+        assert self.engine is not None
         ids = []
         try:
             for pp, sp in zip(processed, plist):
@@ -84,10 +122,9 @@ class LLM:
                 ids.append(rid)
         except ValueError:
             self.engine.abort_request(ids)
+            bar.close()
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
         out_tokens = 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

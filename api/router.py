@@ -234,8 +234,19 @@ class Router:
 
     async def submit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                      stream: bool = True) -> AsyncIterator[wire.RequestDelta]:
-        """Stream a request's deltas. Raises ValueError if a worker refuses it and
-        EngineDeadError if no live worker can run or finish it."""
+        """Stream a request's deltas (what the HTTP layer sends). Raises ValueError if a
+        worker refuses it and EngineDeadError if no live worker can run or finish it."""
+        # NOTE: aclosing: a client that goes away closes this generator, and the inner one
+        # must run its finally (the abort) now, not whenever the garbage collector gets to it.
+        async with contextlib.aclosing(self.outputs_of(request_id, prompt, params,
+                                                       stream)) as outs:
+            async for out in outs:
+                yield _delta(out)
+
+    async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
+                         params: SamplingParams, stream: bool = True
+                         ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's RequestOutputs (the offline LLM's view; see ``submit``)."""
         if self._closed:
             raise EngineDeadError("the server is shutting down")
         params.verify()
@@ -289,7 +300,7 @@ class Router:
                 self._forget(c)
             out = self.outputs.finish(rid, "abort")
             if out is not None:
-                parent.queue.put_nowait(_delta(out))
+                parent.queue.put_nowait(out)
 
     # -- running a child on the pools -------------------------------------------------------
     async def _run(self, c: _Child) -> None:
@@ -541,7 +552,7 @@ class Router:
         for r in results:
             parent = self._parents.get(r.request_id)
             if parent is not None:
-                parent.queue.put_nowait(_delta(r))
+                parent.queue.put_nowait(r)
 
     def _accept(self, c: _Child, worker: Worker, o: EngineCoreOutput) -> list[EngineCoreOutput]:
         """The outputs of one worker output, in the OutputProcessor's terms (child ids)."""

@@ -142,8 +142,10 @@ class DecodeWorker(Handler):
             if got is None:
                 break
             h = got.header
-            if isinstance(h, wire.KVTransfer) and len(got.tensors) == 1:
+            if isinstance(h, wire.KVTransfer):
                 try:
+                    if len(got.tensors) != 1:
+                        raise ValueError(f"{len(got.tensors)} tensors in a KV transfer")
                     self.receiver.on_transfer(h, got.tensors[0], got.seconds)
                 except ValueError as e:  # does not fit its reservation: drop, fail that one
                     logger.warning("dropped a KV transfer for %s: %s", h.request_id, e)

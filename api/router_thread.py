@@ -1,0 +1,82 @@
+"""RouterThread: the router on its own event loop thread, for synchronous callers.
+
+The offline ``LLM`` uses it when the knobs ask for worker processes (pools, or colocated
+replicas): requests go to the same router and workers as ``triptych serve``'s. The worker
+processes are started from this thread, so they exit with it (parent-death signal).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from triptych.api.processor import ProcessedPrompt
+from triptych.api.router import Router
+from triptych.config import EngineConfig
+from triptych.engine.outputs import RequestOutput
+from triptych.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class RouterThread:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="triptych-router")
+        self._thread.start()
+        self.router = Router(config, tokenizer)
+        self._closed = False
+        try:
+            self._call(self.router.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.close)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def run(self, requests: list[tuple[str, ProcessedPrompt, SamplingParams]],
+            on_done: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Run every request through the pools at once; outputs in the order given. The
+        first error (a refused request, no live worker) aborts the rest and is raised."""
+        async def one(rid: str, prompt: ProcessedPrompt, sp: SamplingParams) -> RequestOutput:
+            last = None
+            async for out in self.router.outputs_of(rid, prompt, sp, stream=False):
+                last = out
+            assert last is not None and last.finished
+            if on_done is not None:
+                on_done(last)
+            return last
+
+        async def all_() -> list[RequestOutput]:
+            tasks = [asyncio.ensure_future(one(*r)) for r in requests]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        return self._call(all_())
+
+    def stats(self) -> dict[str, float]:
+        return self.router.stats()
+
+    def close(self) -> None:
+        """Stop every worker process and the loop (idempotent; also at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.router.shutdown())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
