@@ -15,10 +15,10 @@ also stop when this process exits).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
-
 from triptych.api.processor import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.engine.llm_engine import LLMEngine
@@ -30,11 +30,10 @@ PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}}
 
 class LLM:
     def __init__(self, model: str, **knobs: Any) -> None:
-        from triptych.api.media import MediaLimits
-        from triptych.api.processor import InputProcessor
-
         from transformers import AutoConfig, AutoTokenizer
         from triptych.api.layout import Layout
+        from triptych.api.media import MediaLimits
+        from triptych.api.processor import InputProcessor
         from triptych.engine.engine_core import resolve_max_model_len
 
         self.config = EngineConfig.from_kwargs(model=model, **knobs)

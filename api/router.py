@@ -369,8 +369,13 @@ class Router:
             items = [_wire_item(it, with_pixels=True) for it in mm]
             return items, wire.encode_tensors([it.pixel_values for it in mm]), []
         held = self._embeds[target]
-        encoding = [it.mm_hash for it in mm if not held.match([it.mm_hash])]
-        return [_wire_item(it, with_pixels=False) for it in mm], [], list(dict.fromkeys(encoding))
+        encoding = list(dict.fromkeys(it.mm_hash for it in mm if not held.match([it.mm_hash])))
+        # NOTE: recorded now, before any await: a concurrent request with the same image
+        # then waits for this encode on the target instead of asking for another one.
+        held.capacity = max(16, int(target.info.get("encoder_cache_bytes", 0))
+                            // EMBEDDING_INDEX_ENTRY_BYTES)
+        held.record(encoding)
+        return [_wire_item(it, with_pixels=False) for it in mm], [], encoding
 
     async def _encode(self, c: _Child, target: Worker, hashes: list[str]) -> None:
         """Ask an encode worker to send ``target`` the embeddings of ``hashes``."""
@@ -380,9 +385,7 @@ class Router:
         todo = list({it.mm_hash: it for it in todo}.values())
         e = self._choose("encode", c.parent)
         c.encode = e
-        self._embeds[target].capacity = max(16, int(target.info.get("encoder_cache_bytes", 0))
-                                            // EMBEDDING_INDEX_ENTRY_BYTES)
-        self._embeds[target].record([it.mm_hash for it in todo])
+        self._charge(c, e, sum(int(it.pixel_values.shape[0]) for it in todo))  # patches
         msg = wire.EncodeRequest(c.core_id, [_wire_item(it, with_pixels=True) for it in todo],
                                  target.info["data_address"])
         await self._send_or_retry(e, msg, wire.encode_tensors([it.pixel_values for it in todo]))
@@ -512,6 +515,7 @@ class Router:
                 c.reserved.set_result(msg)
         elif isinstance(msg, wire.EncodeDone):
             c.encode = None
+            self._uncharge(c, only=worker)
         elif isinstance(msg, wire.NeedEmbeddings):
             self._embeds[worker].discard(msg.mm_hashes)  # its cache let them go
             asyncio.ensure_future(self._encode_or_retry(c, worker, msg.mm_hashes))
@@ -579,6 +583,8 @@ class Router:
             return
         self._prefix[worker].clear()
         self._embeds[worker].clear()
+        from triptych.connector import cleanup_stale
+        cleanup_stale()  # the dead worker's shared-memory segments and socket dir
         for c in [c for c in self._by_core_id.values() if worker in c.workers and not c.done]:
             asyncio.ensure_future(self._retry(c, f"{worker.name} died", c.attempt))
 

@@ -10,7 +10,6 @@ import hashlib
 import msgspec
 import pytest
 import torch
-
 from triptych.decode.worker import DecodeWorker
 from triptych.engine import wire
 from triptych.engine.sampling_params import SamplingParams
