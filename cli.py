@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "make-tiny": ("triptych.models.tiny", "write a tiny random HF-format checkpoint (tests, demos)"),
     "bench": ("triptych.bench", "benchmarks: offline throughput vs HF, serving load"),
     "keys": ("triptych.connector.keys_cmd", "make CURVE keypairs for pool workers across hosts"),
+    "worker": ("triptych.engine.worker_cmd", "a pool worker on another host (joins a router)"),
 }
 
 _HELP_SKIP = {"model"}

@@ -52,6 +52,9 @@ class EngineConfig:
     decode_workers: int = 0  # decode pool size; all three 0: the colocated engine
     kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | inproc | shm | tcp (auto: shm on one host)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
+    kv_transfer_host: str = "127.0.0.1"  # kv_transfer=tcp: address this host's workers bind their data endpoints to
+    worker_address: str | None = None  # tcp://HOST:PORT where pool workers on other hosts register (off unless set; needs worker_keys)
+    worker_keys: str | None = None  # CURVE key directory made by `triptych keys` (the router's key is named router)
     mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks (takes effect with tensor_parallel_size > 1, not supported yet)
     mm_processor_cache_gb: float = 4.0  # GiB of processed pixels each side of the processor cache may hold (0 disables both sides)
     mm_processor_cache_type: str = "lru"  # lru: P0 keeps keys, each worker keeps the tensors | shm: P0 writes a shared-memory ring every worker on the host reads
@@ -87,6 +90,15 @@ class EngineConfig:
                              "decode_workers)")
         if self.kv_transfer not in ("auto", "inproc", "shm", "tcp"):
             raise ValueError(f"kv_transfer must be auto, inproc, shm or tcp, got {self.kv_transfer!r}")
+        if self.worker_address is not None:
+            if not self.worker_address.startswith("tcp://"):
+                raise ValueError("worker_address must be tcp://HOST:PORT")
+            if not self.worker_keys:
+                raise ValueError("worker_address needs worker_keys: workers on other hosts "
+                                 "register over CURVE only (make keys with `triptych keys`)")
+            if not self.decode_workers:
+                raise ValueError("workers on other hosts join pools: set decode_workers (and "
+                                 "prefill_workers / encode_workers) for the layout")
         if not self.kv_transfer_timeout > 0:
             raise ValueError("kv_transfer_timeout must be positive")
         if self.mm_processor_cache_type not in ("lru", "shm"):

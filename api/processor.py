@@ -20,9 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-
-from triptych.api.media import (MediaError, MediaLimits, decode_image, decode_video, load_image,
-                                load_video, read_media_bytes)
+from triptych.api.media import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    decode_video,
+    load_image,
+    load_video,
+    read_media_bytes,
+)
 from triptych.api.video import preprocess_video
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video

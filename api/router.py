@@ -57,6 +57,8 @@ from triptych.engine.sampling_params import SamplingParams
 logger = logging.getLogger("triptych.router")
 MAX_MIGRATIONS = 2
 SEND_TIMEOUT_S = 5.0
+REMOTE_TIMEOUT_S = 10.0  # a worker on another host silent this long is taken for dead (its
+# heartbeat is its stats, every 0.25 s; a step bounded by max_num_batched_tokens is shorter)
 EMBEDDING_INDEX_ENTRY_BYTES = 1 << 20  # rough size of one image's embedding (routing hint)
 
 
@@ -148,8 +150,10 @@ class Router:
                 self._embeds[w] = PrefixIndex(1)
                 self._by_name[w.name] = w
                 self.supervisor.spawn(w)
-        self._tasks = [asyncio.create_task(self._read_loop()),
+        self._tasks = [asyncio.create_task(self._read_loop(self._sock, remote=False)),
                        asyncio.create_task(self.supervisor.watch())]
+        if self.config.worker_address:
+            self._open_remote()
         deadline = time.monotonic() + self._start_timeout_s
         while not all(w.state == "up" for w in self.supervisor.workers):
             if self._start_failure or time.monotonic() > deadline:
@@ -173,10 +177,68 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._sock.close(0)
+        if self._remote is not None:
+            self._remote.close(0)
+            self._remote_auth.close()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
         from triptych.connector import cleanup_stale
         cleanup_stale()  # segments and sockets of workers that died (their own are gone)
+
+    def _open_remote(self) -> None:
+        """The registration socket for workers on other hosts: CURVE only, bound where the
+        operator said (worker_address). A worker is known by its key: the name it claims
+        must be the name of the public key it authenticated with."""
+        from triptych.connector.auth import load_keys, secure_server
+
+        keys = load_keys(self.config.worker_keys, "router")
+        self._key_names = {v.decode(): k for k, v in keys.peers.items() if k != "router"}
+        self._remote = self._ctx.socket(zmq.ROUTER)
+        self._remote.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._remote.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self._remote.setsockopt(zmq.LINGER, 0)
+        self._remote_auth = secure_server(self._remote, keys,
+                                          [k.encode() for k in self._key_names])
+        self._remote.bind(self.config.worker_address)
+        self._tasks += [asyncio.create_task(self._read_loop(self._remote, remote=True)),
+                        asyncio.create_task(self._watch_remote())]
+        logger.info("workers on other hosts register at %s (CURVE, %d known keys)",
+                    self.config.worker_address, len(self._key_names))
+
+    async def _watch_remote(self) -> None:
+        while True:
+            now = time.monotonic()
+            for w in list(self._by_name.values()):
+                if w.remote and w.state == "up" and now - w.last_seen > REMOTE_TIMEOUT_S:
+                    w.state = "dead"
+                    logger.error("%s (another host) sent nothing for %.0f s; taken for dead",
+                                 w.name, REMOTE_TIMEOUT_S)
+                    self._on_worker_exit(w, -1)
+            await asyncio.sleep(0.5)
+
+    def _register_remote(self, ident: str, msg: wire.Hello) -> Worker | None:
+        if msg.pool not in self.layout.pools or msg.worker_id != ident:
+            logger.warning("refused %s: pool %r is not in this layout (%s)", ident, msg.pool,
+                           self.layout)
+            return None
+        w = self._by_name.get(ident.partition("#")[0])
+        if w is None or w.remote is None:
+            index = sum(1 for x in self._by_name.values() if x.pool == msg.pool)
+            w = Worker(msg.pool, index, {}, remote=ident)
+            self._by_name[w.name] = w
+            self._load[w] = 0
+            self._prefix[w] = PrefixIndex(1)
+            self._embeds[w] = PrefixIndex(1)
+            self.supervisor.workers.append(w)
+        elif w.remote != ident:  # the same node, restarted: its old requests are gone
+            if w.state == "up":
+                self._on_worker_exit(w, -1)
+            w.remote = ident
+            w.restarts += 1
+        if w.state != "up":
+            logger.info("%s (another host, pool %s) registered", ident, msg.pool)
+        w.state = "up"
+        return w
 
     # -- the interface --------------------------------------------------------------------
     def _live(self, pool: str) -> list[Worker]:
@@ -193,7 +255,8 @@ class Router:
         for pool in self.layout.pools:
             ws = [w for w in self.supervisor.workers if w.pool == pool] if self.supervisor else []
             pools[pool] = {"live": sum(w.state == "up" for w in ws), "workers": [
-                {"index": w.index, "pid": w.pid, "state": w.state, "restarts": w.restarts,
+                {"index": w.index, "name": w.name, "pid": w.pid, "state": w.state,
+                 "restarts": w.restarts, "remote": w.remote is not None, "served": w.served,
                  "requests": sum(1 for c in self._by_core_id.values() if w in c.workers)}
                 for w in ws]}
         if self._closed or any(p["live"] == 0 for p in pools.values()):
@@ -395,9 +458,9 @@ class Router:
         if not live:
             raise EngineDeadError(f"no live worker in the {pool} pool (restarting); retry "
                                   "shortly")
+        bs = self.config.block_size
         w = pick(live, [self._load[w] for w in live],
-                 [self._prefix[w].match(parent.hashes) for w in live],
-                 slack=self.config.max_num_batched_tokens)
+                 [self._prefix[w].match(parent.hashes) * bs for w in live])
         if pool != "encode":
             self._prefix[w].capacity = int(w.info.get("num_kv_blocks", 1))
             self._prefix[w].record(parent.hashes)
@@ -426,9 +489,10 @@ class Router:
 
     async def _send_frames(self, worker: Worker, frames: list[bytes]) -> bool:
         """False when the worker is not connected (dead, restarting) or stuck."""
+        sock = self._remote if worker.remote else self._sock
         try:
             await asyncio.wait_for(
-                self._sock.send_multipart([worker.identity.encode(), *frames]), SEND_TIMEOUT_S)
+                sock.send_multipart([worker.identity.encode(), *frames]), SEND_TIMEOUT_S)
             return True
         except (zmq.ZMQError, asyncio.TimeoutError):
             return False
@@ -478,32 +542,44 @@ class Router:
             parent.queue.put_nowait(err)
 
     # -- worker messages --------------------------------------------------------------------
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
+            frames = await sock.recv_multipart(copy=False)
             try:
-                self._on_message(frames)
+                self._on_message(frames, remote)
             except Exception:  # a bug here must not stop every request: log, keep reading
                 logger.exception("handling a worker message failed")
 
-    def _on_message(self, frames: list[bytes]) -> None:
-        ident = frames[0].decode("utf-8", "replace")
-        worker = self._by_name.get(ident.partition("#")[0])
-        if worker is None or worker.identity != ident or len(frames) < 2:
-            return  # an old incarnation's late message, or not one of ours
-        try:
-            msg = wire.decode_from_worker(frames[1])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            logger.error("dropped a malformed message from %s", worker.identity)
+    def _on_message(self, frames: list[zmq.Frame], remote: bool) -> None:
+        ident = frames[0].bytes.decode("utf-8", "replace")
+        if len(frames) < 2:
             return
+        try:
+            msg = wire.decode_from_worker(frames[1].bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            logger.error("dropped a malformed message from %r", ident[:64])
+            return
+        if remote:  # the claimed name must be the name of the key it authenticated with
+            key_name = self._key_names.get(frames[0].get("User-Id") or "")
+            if key_name is None or ident.partition("#")[0] != key_name:
+                logger.warning("dropped a message from %r: not the holder of that name's key",
+                               ident[:64])
+                return
+            if isinstance(msg, wire.Hello):
+                self._register_remote(ident, msg)
+        worker = self._by_name.get(ident.partition("#")[0])
+        if worker is None or worker.identity != ident or (worker.remote is not None) != remote:
+            return  # an old incarnation's late message, or not one of ours
+        worker.last_seen = time.monotonic()
         if isinstance(msg, wire.StepOutputs):
             self._on_outputs(worker, msg.outputs)
         elif isinstance(msg, wire.WorkerStats):
             worker.stats = msg.values
         elif isinstance(msg, wire.Hello):
+            if worker.state != "up":
+                logger.info("%s is up (pid %d)", worker.identity, msg.pid)
             worker.state = "up"
             worker.info = msgspec.structs.asdict(msg)
-            logger.info("%s is up (pid %d)", worker.identity, msg.pid)
         else:
             c = self._by_core_id.get(getattr(msg, "request_id", ""))
             if c is not None and not c.done and worker in c.workers:
@@ -569,6 +645,7 @@ class Router:
                 msgspec.structs.replace(e, request_id=c.child_id) for e in early]
         if o.finish_reason is not None:
             c.done = True
+            worker.served += 1
             if c.decode is not None and c.decode is not worker:  # ended before the hand-off
                 asyncio.ensure_future(self._send(c.decode, wire.AbortRequest([c.core_id])))
             self._uncharge(c)

@@ -1,12 +1,17 @@
-"""Which worker of a pool takes a request: least outstanding work, prefix-aware.
+"""Which worker of a pool takes a request: the least work once it is added, prefix-aware.
 
 Each worker has a ``PrefixIndex``: the block hashes of the prompts the router recently sent
 it, a stand-in for its prefix cache (bounded by that cache's block count, oldest forgotten
-first). A request goes to the worker holding the longest run of its leading blocks, unless
-that worker's queued tokens exceed the least-loaded worker's by more than ``slack``; then
-load wins. This keeps a conversation's turns (and the n children of a request) on the
-worker that already holds their KV, without letting one hot conversation pile work on one
-worker while others idle.
+first). A request costs a worker the tokens it still has to compute there: its prompt
+minus the leading blocks that worker probably holds. The router picks the worker whose
+queued tokens plus that cost is lowest:
+
+    work(w) = queued tokens(w) + prompt tokens - cached prefix tokens(w)
+
+So turn N+1 of a long image conversation (thousands of cached tokens) goes back to the
+worker holding turn N, while requests that only share a short chat-template prefix spread
+over idle workers. On a decode worker of the P/D layout the same saving is KV that need not
+be transferred.
 """
 from __future__ import annotations
 
@@ -46,11 +51,9 @@ class PrefixIndex:
         self._hashes.clear()
 
 
-def pick(workers: Sequence[W], loads: Sequence[int], matches: Sequence[int], slack: int) -> W:
-    """The worker with the longest prefix match among those within ``slack`` queued tokens
-    of the least loaded; ties go to the less loaded one."""
-    assert workers and len(workers) == len(loads) == len(matches)
-    floor = min(loads)
-    best = min((i for i in range(len(workers)) if loads[i] <= floor + slack),
-               key=lambda i: (-matches[i], loads[i], i))
+def pick(workers: Sequence[W], loads: Sequence[int], cached_tokens: Sequence[int]) -> W:
+    """The worker with the least queued work once the request is added (queued tokens
+    minus the tokens of the request it already caches); ties go to the less loaded one."""
+    assert workers and len(workers) == len(loads) == len(cached_tokens)
+    best = min(range(len(workers)), key=lambda i: (loads[i] - cached_tokens[i], loads[i], i))
     return workers[best]

@@ -20,12 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from triptych.api.router import EngineDeadError, Router
 from triptych.api.metrics import Metrics
 from triptych.api.middleware import BodyLimitMiddleware, RequestIdMiddleware, error_response
 from triptych.api.openai_format import Choice, Formatter, usage
 from triptych.api.processor import InputProcessor, ProcessedPrompt
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
+from triptych.api.router import EngineDeadError, Router
 from triptych.engine import wire
 from triptych.engine.sampling_params import SamplingParams
 

@@ -55,18 +55,22 @@ class Worker:
     failures: int = 0  # consecutive short-lived incarnations (for the backoff)
     info: dict[str, Any] = field(default_factory=dict)  # what its Hello said
     stats: dict[str, float] = field(default_factory=dict)  # its latest WorkerStats
+    served: int = 0  # requests it finished (for /health)
+    remote: str | None = None  # a worker on another host: its identity (name#tag); not ours
+    # to start or restart, alive while its heartbeats (stats) come
+    last_seen: float = 0.0
 
     @property
     def name(self) -> str:
-        return f"{self.pool}-{self.index}"
+        return self.remote.partition("#")[0] if self.remote else f"{self.pool}-{self.index}"
 
     @property
     def identity(self) -> str:
-        return f"{self.name}#{self.incarnation}"
+        return self.remote or f"{self.name}#{self.incarnation}"
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.proc.pid if self.proc else self.info.get("pid")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -140,7 +144,8 @@ class Supervisor:
                     logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
                                  w.identity, w.pid, code, w.restart_at - now)
                     self.on_exit(w, code)
-                elif w.state == "dead" and not self._stopping and now >= w.restart_at:
+                elif w.state == "dead" and w.remote is None and not self._stopping \
+                        and now >= w.restart_at:
                     w.restarts += 1
                     self.restarts_total += 1
                     self.spawn(w)

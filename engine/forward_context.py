@@ -5,10 +5,10 @@ context around the forward call; attention layers read it from here.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Iterator
 
 import torch
 

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
 from triptych.encode.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.request import Request

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from triptych.engine.sampling_params import SamplingParams
 
 

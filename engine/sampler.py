@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from triptych.engine.sampling_params import SamplingParams
 
 

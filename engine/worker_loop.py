@@ -36,6 +36,8 @@ STATS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 100
 SEND_TIMEOUT_MS = 1000
 ROUTER_GONE_S = 30.0  # a router that takes nothing for this long is gone: stop
+HELLO_EVERY_S = 5.0  # a worker on another host announces itself again (a restarted router
+# learns it without the worker restarting)
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):
@@ -48,6 +50,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     eos_token_id: int | None = None  # from the tokenizer P0 loaded
     parent_pid: int = 0  # exit when this process goes away (0: not supervised locally)
     num_threads: int = 1  # torch intra-op threads of this worker
+    key_name: str | None = None  # its CURVE key's name (worker_keys); default: pool-index
 
 
 class Handler:
@@ -148,6 +151,8 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        if spec.router_address.startswith("tcp://"):  # another host: CURVE, or nothing
+            _secure(sock, spec)
         sock.connect(spec.router_address)
         _send(sock, handler.hello(spec), spec)
         _loop(spec, handler, sock)
@@ -164,6 +169,19 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
             handler.close()
         sock.close(0)
         ctx.term()
+
+
+def _secure(sock: zmq.Socket, spec: WorkerSpec) -> None:
+    from triptych.connector.auth import load_keys, secure_client
+
+    keys_dir = spec.config.get("worker_keys")
+    if not keys_dir:
+        raise ValueError("a router on another host is reached over CURVE only: give "
+                         "--worker-keys (made by `triptych keys`)")
+    keys = load_keys(keys_dir, spec.key_name or spec.worker_id.partition("#")[0])
+    if "router" not in keys.peers:
+        raise ValueError(f"no public key named router in {keys_dir}/public")
+    secure_client(sock, keys, keys.peers["router"])
 
 
 def _remove_run_dir(spec: WorkerSpec) -> None:
@@ -201,7 +219,7 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
     data = handler.data_socket()
     if data is not None:
         poller.register(data, zmq.POLLIN)
-    last_stats = 0.0
+    last_stats = last_hello = time.monotonic()
     while True:
         _check_parent(spec)
         timeout = 0 if handler.has_work() else IDLE_POLL_MS
@@ -224,6 +242,9 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
             for reply in handler.after_step():
                 _send(sock, reply, spec)
         now = time.monotonic()
+        if not spec.parent_pid and now - last_hello >= HELLO_EVERY_S:
+            last_hello = now
+            _send(sock, handler.hello(spec), spec)
         if now - last_stats >= STATS_INTERVAL_S:
             last_stats = now
             _send(sock, wire.WorkerStats(handler.stats()), spec)
