@@ -1,9 +1,14 @@
-"""`triptych bench serve`: load a running server with image chat requests at a rate.
+"""`triptych bench serve`: load a server with image chat requests at a rate.
 
-Requests carry random images (a fixed seed) and ask for a fixed number of tokens; arrivals
-are Poisson at --request-rate (inf = all at once). Streaming responses give TTFT (first
-content token), ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)).
-A sweep over rates writes a JSON file and a PNG of TTFT and ITL against the rate.
+Requests carry random images (a fixed seed; --images-per-request and --image-size take a
+range / a list for a mixed load) and ask for a fixed number of tokens; arrivals are Poisson
+at --request-rate (inf = all at once). Streaming responses give TTFT (first content token),
+ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)); goodput counts the
+requests per second that meet both SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms,
+DistServe's measure). A sweep over rates writes a JSON file and a PNG.
+
+With --layouts the command starts `triptych serve` itself once per layout (bench_layouts.py)
+and compares them on the same load.
 """
 from __future__ import annotations
 
@@ -21,16 +26,29 @@ import numpy as np
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="load a running server (TTFT / TPOT / ITL, sweep plot)",
+    p = subparsers.add_parser("serve", help="load a server (TTFT / TPOT / ITL / goodput, plots); "
+                                            "--layouts compares pool layouts",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
+    p.add_argument("--layouts", default=None,
+                   help="start `triptych serve` per layout and compare, e.g. "
+                        "colocated,1e1pd,1e1p1d (XeYpZd = pool sizes; 'pd' = decode workers "
+                        "prefill too; colocated = one engine)")
+    p.add_argument("--serve-model", default=None,
+                   help="with --layouts: checkpoint to serve (default: the tiny demo one)")
+    p.add_argument("--serve-args", default="",
+                   help="with --layouts: extra `triptych serve` flags for every layout")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
     p.add_argument("--request-rate", default="inf",
                    help="requests/s (Poisson arrivals); comma-separated for a sweep, e.g. 1,2,4,inf")
-    p.add_argument("--image-size", type=int, default=224, help="image width = height")
-    p.add_argument("--images-per-request", type=int, default=1, help="images in each request")
+    p.add_argument("--image-size", default="224",
+                   help="image width = height; a comma list picks one per image (mixed sizes)")
+    p.add_argument("--images-per-request", default="1",
+                   help="images in each request; LO-HI draws uniformly (e.g. 1-4)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT bound")
     p.add_argument("--seed", type=int, default=0, help="seed of images and arrivals")
     p.add_argument("--json-out", default="bench_serve.json", help="results file")
     p.add_argument("--plot", default="bench_serve.png", help="PNG of TTFT and ITL vs rate")
@@ -82,17 +100,28 @@ async def _one(client: Any, url: str, body: dict) -> Result:
     return res
 
 
+def _bodies(args: argparse.Namespace, model: str, rng: np.random.Generator) -> list[dict]:
+    """The load: each request's images (count and sizes drawn once, from the seed)."""
+    lo, _, hi = str(args.images_per_request).partition("-")
+    sizes = [int(x) for x in str(args.image_size).split(",")]
+    bodies = []
+    for i in range(args.num_requests):
+        n = int(rng.integers(int(lo), int(hi or lo) + 1))
+        images = [{"type": "image_url", "image_url": {
+            "url": _image_url(rng, sizes[int(rng.integers(len(sizes)))])}} for _ in range(n)]
+        bodies.append({"model": model, "stream": True,
+                       "stream_options": {"include_usage": True},
+                       "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": [
+                           *images, {"type": "text", "text": f"Describe picture {i}."}]}]})
+    return bodies
+
+
 async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
     import httpx
 
     rng = np.random.default_rng(args.seed)
-    bodies = [{"model": model, "stream": True, "stream_options": {"include_usage": True},
-               "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
-               "messages": [{"role": "user", "content": [
-                   *[{"type": "image_url", "image_url": {"url": _image_url(rng, args.image_size)}}
-                     for _ in range(args.images_per_request)],
-                   {"type": "text", "text": f"Describe picture {i}."}]}]}
-              for i in range(args.num_requests)]
+    bodies = _bodies(args, model, rng)
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
         t0 = time.perf_counter()
@@ -111,9 +140,13 @@ async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
     ttft = [r.ttft for r in ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
+    good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and (
+        r.output_tokens <= 1 or (r.latency - r.ttft) / (r.output_tokens - 1) * 1e3
+        <= args.slo_tpot_ms)]
     out = {"request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok),
            "duration_s": dur, "request_throughput": len(ok) / dur,
-           "output_tokens_per_s": sum(r.output_tokens for r in ok) / dur}
+           "output_tokens_per_s": sum(r.output_tokens for r in ok) / dur,
+           "goodput": len(good) / dur}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         if xs:
             out.update({f"{name}_mean_ms": ms(xs), f"{name}_p50_ms": ms(xs, 50),
@@ -124,7 +157,7 @@ async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
 def _print(r: dict) -> None:
     print(f"rate {r['request_rate']}: {r['completed']} ok, {r['failed']} failed in "
           f"{r['duration_s']:.1f} s | {r['request_throughput']:.2f} req/s, "
-          f"{r['output_tokens_per_s']:.1f} output tok/s")
+          f"{r['output_tokens_per_s']:.1f} output tok/s, goodput {r['goodput']:.2f} req/s")
     for name in ("ttft", "tpot", "itl"):
         if f"{name}_mean_ms" in r:
             print(f"  {name.upper():5} mean {r[f'{name}_mean_ms']:8.1f} ms  p50 "
@@ -156,16 +189,27 @@ def _plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def run(args: argparse.Namespace) -> int:
+def sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
+    """Every rate of --request-rate against the server at ``base_url``."""
     import httpx
 
-    model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
-    rates = [float(r) for r in str(args.request_rate).split(",")]
+    args.base_url = base_url
+    model = args.model or httpx.get(base_url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
     results = []
-    for rate in rates:
+    for rate in [float(r) for r in str(args.request_rate).split(",")]:
         r = asyncio.run(_run_rate(args, model, rate))
         _print(r)
         results.append(r)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.layouts:
+        from triptych.bench_layouts import run_layouts
+        return run_layouts(args)
+    results = sweep(args, args.base_url)
+    rates = [r["request_rate"] for r in results]
+    model = args.model
     with open(args.json_out, "w") as f:
         json.dump({"model": model, "num_requests": args.num_requests,
                    "image_size": args.image_size, "max_tokens": args.max_tokens,

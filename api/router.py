@@ -128,6 +128,8 @@ class Router:
         self._started = False
         self._start_failure: str | None = None
         self.supervisor: Supervisor | None = None
+        self._remote: zmq.asyncio.Socket | None = None  # workers on other hosts (CURVE)
+        self._key_names: dict[str, str] = {}  # public key (z85) -> node name
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
