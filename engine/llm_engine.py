@@ -22,6 +22,7 @@ from triptych.engine.outputs import RequestOutput
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler
+from triptych.engine.threads import apply_thread_policy
 from triptych.engine.validate import validate_request
 from triptych.kernels import get_ops, resolve_backend
 
@@ -93,6 +94,7 @@ class LLMEngine:
             raise ValueError("tensor_parallel_size / data_parallel_size > 1 are not supported yet "
                              "by the colocated engine; run one engine per device for now")
         self.config = config
+        self.cpu_threads = apply_thread_policy(config.cpu_threads)
         self.device = resolve_device(config.device)
         self._mrope = compute_mrope_positions
         backend = resolve_backend(config.attention_backend, self.device.type)
