@@ -15,21 +15,35 @@ import torch
 import torch.nn.functional as F
 
 
+def cache_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots to write, mask of valid rows or None when every row is valid): one check per
+    forward instead of a device sync in every layer."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    return slot_mapping[valid], valid
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64; -1 = do not store (padding)
+    plan: tuple[torch.Tensor, torch.Tensor | None] | None = None,  # cache_plan(slot_mapping)
 ) -> None:
     """Scatter new keys/values into their cache slots, in place."""
     nb, bs, hkv, d = k_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid] if not bool(valid.all()) else slot_mapping
-    if not bool(valid.all()):
+    slots, valid = plan if plan is not None else cache_plan(slot_mapping)
+    if valid is not None:
         key, value = key[valid], value[valid]
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, key)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, value)
+
+
+reshape_and_cache.make_plan = cache_plan  # type: ignore[attr-defined]
 
 
 class DecodePlan(NamedTuple):
@@ -77,9 +91,12 @@ def paged_decode_attention(
     # One index_select of whole blocks on a flat view: [B*nblk, bs*Hkv*D] -> [B, Hkv, L, D]
     k = k_cache.view(nb, -1).index_select(0, plan.block_idx).view(b, length, hkv, d)
     v = v_cache.view(nb, -1).index_select(0, plan.block_idx).view(b, length, hkv, d)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    mask = plan.mask if plan.mask.dtype == q.dtype else plan.mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q.view(b, hkv, h // hkv, d), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=plan.mask.to(q.dtype), scale=scale)  # [B, Hkv, G, D]
+        q.view(b, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale)  # [B, Hkv, G, D]
     return out.reshape(b, h, d)
 
 
@@ -199,19 +216,26 @@ def rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (weight.float() * y).to(x.dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # NOTE: torch's own rms_norm is bit-identical to the steps below in fp32 (checked in
+        # tests/test_kernels.py) and issues a third of the ops.
+        y = F.rms_norm(x, x.shape[-1:], weight, eps)
+    else:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = (weight.float() * y).to(x.dtype)
     return y if residual is None else (y, residual)
 
 
 def mrope_plan(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                mrope_section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 1, D/2] fp32 of a flat batch: one gather per forward, not per layer.
+    """(cos, sin) [T, 1, D] fp32 of a flat batch: one gather per forward, not per layer.
 
     Frequency index j in [0, D/2) takes its position from section s(j):
         j:  | 0 .. sec0-1 | sec0 .. sec0+sec1-1 | ... |
         s:  |   temporal  |       height        | width |
+    Returned as full-width rows, cos = [c | c] and sin = [-s | s], so that
+    rope(x) = x * cos + roll(x, D/2) * sin  (roll swaps the halves: [x2 | x1]).
     """
     d2 = cos_sin_cache.shape[-1] // 2
     sec = torch.repeat_interleave(torch.arange(3, device=positions.device),
@@ -219,9 +243,9 @@ def mrope_plan(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     # position of every (token, frequency): [T, D/2], then one gather of cos|sin rows
     pos = positions.gather(0, sec[:, None].expand(-1, positions.shape[1])).t()
     freq = torch.arange(d2, device=positions.device)
-    cos = cos_sin_cache[pos, freq]  # [T, D/2]
-    sin = cos_sin_cache[pos, freq + d2]
-    return cos.float()[:, None, :], sin.float()[:, None, :]
+    cos = cos_sin_cache[pos, freq].float()  # [T, D/2]
+    sin = cos_sin_cache[pos, freq + d2].float()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
 
 def apply_mrope(
@@ -232,14 +256,17 @@ def apply_mrope(
     mrope_section: list[int],  # sums to D/2: rotary dims taken from t, h, w positions
     plan: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) from mrope_plan
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multimodal rotary embedding (Qwen2-VL), neox style (rotate halves), in fp32."""
+    """Multimodal rotary embedding (Qwen2-VL), neox style (rotate halves), in fp32.
+
+    x1 * c - x2 * s == x1 * c + x2 * (-s) exactly, so this equals HF's
+    ``x * cos + rotate_half(x) * sin`` bit for bit in fp32."""
     cos, sin = plan if plan is not None else mrope_plan(positions, cos_sin_cache, mrope_section)
     d2 = q.shape[-1] // 2
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf[..., :d2], xf[..., d2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        y = xf * cos + xf.roll(d2, -1) * sin
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     return rot(q), rot(k)
 

@@ -24,10 +24,14 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         meta, ops = ctx.attn, ctx.ops
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        bs = k_cache.shape[1]
         # An op exposing ``make_plan`` (the torch reference) gets the per-forward gather
         # indices and masks built once, by the first layer, instead of in every layer.
+        fn = ops.reshape_and_cache
+        make = getattr(fn, "make_plan", None)
+        extra = {} if make is None else {"plan": meta.plan(
+            "cache", lambda: make(meta.slot_mapping))}
+        fn(k, v, k_cache, v_cache, meta.slot_mapping, **extra)
+        bs = k_cache.shape[1]
         if meta.max_query_len == 1:
             fn = ops.paged_decode_attention
             make = getattr(fn, "make_plan", None)
