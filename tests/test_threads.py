@@ -1,0 +1,47 @@
+"""Thread policy: core division, child environments (user settings win), and the policy
+applied in a fresh process before torch loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from triptych.engine.threads import divide_cores, thread_env
+
+
+def test_divide_cores():
+    assert divide_cores(1, 2) == [2]
+    assert divide_cores(2, 2) == [1, 1]
+    assert divide_cores(3, 8) == [3, 3, 2]
+    assert divide_cores(3, 2) == [1, 1, 1]  # never zero threads
+    assert sum(divide_cores(4, 16)) == 16
+    assert len(divide_cores(2)) == 2
+    with pytest.raises(ValueError):
+        divide_cores(0, 4)
+
+
+def test_thread_env_sets_policy_and_user_settings_win():
+    env = thread_env(3, {"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"
+    assert "GOMP_SPINCOUNT" in env
+    mine = thread_env(3, {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert mine["OMP_NUM_THREADS"] == "7" and mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in mine  # it would override the user's wait policy
+    with pytest.raises(ValueError):
+        thread_env(0, {})
+
+
+def test_policy_applied_before_torch_import_in_a_child():
+    code = ("import os, json; from triptych.engine.threads import apply_thread_policy;"
+            "n = apply_thread_policy(None); import torch;"
+            "print(json.dumps([n, torch.get_num_threads(), torch.get_num_interop_threads(),"
+            "os.environ.get('GOMP_SPINCOUNT')]))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=thread_env(1, env),
+                         capture_output=True, text=True, check=True).stdout
+    n, intra, inter, spin = json.loads(out.strip().splitlines()[-1])
+    assert n == intra == 1 and inter == 1 and spin is not None
