@@ -5,18 +5,18 @@ Every process that runs torch (the colocated engine, each pool worker, each TP r
 ``thread_env(n, os.environ)``; several workers on one host split the cores with
 ``divide_cores`` instead of each taking them all.
 
-Why it matters (docs/performance.md, measured on the 2-core dev box, torch 2.13 CPU wheel,
-which links GNU OpenMP ``libgomp``; MKL runs on the same OpenMP pool):
+Why it matters (docs/performance.md, measured on the 2-core dev box shared with other
+users, torch 2.13 CPU wheel, which links GNU OpenMP ``libgomp``; MKL runs on that pool):
 
 - An OpenMP parallel region ends at a barrier. With more runnable threads than free
   cores (another tenant, the API process, a second worker), one of our threads is often
-  descheduled, and the others wait a whole scheduler time slice for it: a 0.3 ms linear
-  took up to 16 ms. Fewer threads than busy cores avoids the straggler entirely.
-- Threads that finished their share spin before they sleep. ``OMP_WAIT_POLICY=ACTIVE``
-  (spin forever) was the worst case on a busy host (~16x slower per op); libgomp's
-  default spins ~300k iterations when it thinks it owns the cores; ``PASSIVE`` sleeps at
-  once and costs ~10-25% on small ops of a quiet host. A short bounded spin
-  (``GOMP_SPINCOUNT``) keeps most of the quiet speed and gives the core back quickly.
+  descheduled and the others wait for it. Threads that finished their share spin before
+  they sleep, taking the core the straggler needs: libgomp's default (300k spins) made
+  the OCR benchmark ~20x slower next to one busy process (75 vs 1,500 output tok/s);
+  a bounded 10k spin was still ~4x slower; ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once)
+  was the fastest both next to the busy process and on the merely shared box.
+- Fewer threads than busy cores avoids the straggler entirely: split the host's cores
+  between workers (``divide_cores``) instead of giving each all of them.
 
 What can change when:
 - ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (and ``KMP_BLOCKTIME`` for wheels built with
@@ -36,10 +36,8 @@ from collections.abc import Mapping
 
 logger = logging.getLogger("triptych.threads")
 
-# NOTE: a bounded spin: long enough to catch the next op of a decode step on a quiet host
-# (ops are microseconds apart), short enough that a waiting thread yields its core within
-# tens of microseconds when someone else needs it. Measured in docs/performance.md.
-SPIN_COUNT = "10000"
+# Variables that choose how idle OpenMP threads wait; a user who set any keeps all of theirs.
+WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def host_cores() -> int:
@@ -70,23 +68,24 @@ def _policy_vars(num_threads: int) -> dict[str, str]:
     return {
         "OMP_NUM_THREADS": n,  # libgomp's pool and torch's intra-op default
         "MKL_NUM_THREADS": n,  # MKL's own cap (it would otherwise size for all cores)
-        "GOMP_SPINCOUNT": SPIN_COUNT,  # libgomp: bounded spin, then sleep
-        "KMP_BLOCKTIME": "0",  # Intel OpenMP builds: sleep at once (ignored by libgomp)
+        "OMP_WAIT_POLICY": "PASSIVE",  # idle threads sleep instead of spinning
+        "KMP_BLOCKTIME": "0",  # the same for wheels built with Intel OpenMP
     }
 
 
 def thread_env(num_threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
     """The environment for a child process that will run torch with ``num_threads``.
 
-    Returns ``base_env`` plus the policy's variables; a variable already set in
-    ``base_env`` wins (users who tuned OMP_NUM_THREADS or OMP_WAIT_POLICY keep it). When
-    the user set ``OMP_WAIT_POLICY``, no ``GOMP_SPINCOUNT`` is added (it would override it).
+    Returns ``base_env`` plus the policy's variables. A variable already set in
+    ``base_env`` wins (users who tuned OMP_NUM_THREADS keep it); a user who set any of
+    ``WAIT_VARS`` (e.g. ``GOMP_SPINCOUNT`` for a dedicated host) gets none of ours.
     """
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     env = dict(base_env)
+    user_wait = any(k in env for k in WAIT_VARS)
     for key, value in _policy_vars(num_threads).items():
-        if key == "GOMP_SPINCOUNT" and "OMP_WAIT_POLICY" in env:
+        if key in WAIT_VARS and user_wait:
             continue
         env.setdefault(key, value)
     return env

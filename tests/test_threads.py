@@ -26,10 +26,11 @@ def test_thread_env_sets_policy_and_user_settings_win():
     env = thread_env(3, {"PATH": "/bin"})
     assert env["PATH"] == "/bin"
     assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"
-    assert "GOMP_SPINCOUNT" in env
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["KMP_BLOCKTIME"] == "0"
     mine = thread_env(3, {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "ACTIVE"})
     assert mine["OMP_NUM_THREADS"] == "7" and mine["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert "GOMP_SPINCOUNT" not in mine  # it would override the user's wait policy
+    spin = thread_env(3, {"GOMP_SPINCOUNT": "5000"})  # a tuned wait: none of ours is added
+    assert spin["GOMP_SPINCOUNT"] == "5000" and "OMP_WAIT_POLICY" not in spin
     with pytest.raises(ValueError):
         thread_env(0, {})
 
@@ -38,10 +39,11 @@ def test_policy_applied_before_torch_import_in_a_child():
     code = ("import os, json; from triptych.engine.threads import apply_thread_policy;"
             "n = apply_thread_policy(None); import torch;"
             "print(json.dumps([n, torch.get_num_threads(), torch.get_num_interop_threads(),"
-            "os.environ.get('GOMP_SPINCOUNT')]))")
+            "os.environ.get('OMP_WAIT_POLICY')]))")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")}
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
+                        "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     out = subprocess.run([sys.executable, "-c", code], env=thread_env(1, env),
                          capture_output=True, text=True, check=True).stdout
-    n, intra, inter, spin = json.loads(out.strip().splitlines()[-1])
-    assert n == intra == 1 and inter == 1 and spin is not None
+    n, intra, inter, wait = json.loads(out.strip().splitlines()[-1])
+    assert n == intra == 1 and inter == 1 and wait == "PASSIVE"
