@@ -47,3 +47,12 @@ def test_policy_applied_before_torch_import_in_a_child():
                          capture_output=True, text=True, check=True).stdout
     n, intra, inter, wait = json.loads(out.strip().splitlines()[-1])
     assert n == intra == 1 and inter == 1 and wait == "PASSIVE"
+
+
+def test_cli_reads_cpu_threads_before_parsing():
+    from triptych.cli import _early_cpu_threads
+
+    assert _early_cpu_threads(["bench", "throughput", "--cpu-threads", "3"]) == 3
+    assert _early_cpu_threads(["serve", "--model", "m", "--cpu-threads=1"]) == 1
+    assert _early_cpu_threads(["serve", "--cpu-threads", "x"]) is None  # argparse reports it
+    assert _early_cpu_threads(["chat"]) is None
