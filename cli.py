@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
         elif f.name == "limit_mm_per_prompt":
             g.add_argument(flag, type=str, default=None,
                            help=h + ". JSON, e.g. '{\"image\": 4, \"video\": 1}'")
-        elif f.name in ("max_model_len", "num_kv_blocks"):
+        elif f.name in ("max_model_len", "num_kv_blocks", "cpu_threads"):
             g.add_argument(flag, type=int, default=default, help=h)
         else:
             g.add_argument(flag, type=str, default=default, help=h)
@@ -78,14 +78,28 @@ def engine_config_from_args(args: argparse.Namespace, **override: Any) -> Engine
     return EngineConfig(**kw)
 
 
+def _early_cpu_threads(argv: list[str]) -> int | None:
+    """``--cpu-threads N`` read before argparse runs, so the OpenMP wait policy and thread
+    count reach the environment before any subcommand module imports torch."""
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--cpu-threads=") else (
+            argv[i + 1] if a == "--cpu-threads" and i + 1 < len(argv) else None)
+        if value is not None:
+            return int(value) if value.isdigit() and int(value) > 0 else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from triptych.engine.threads import apply_thread_policy, early_env
+
+    early_env(_early_cpu_threads(argv))  # before torch is imported anywhere
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(
         prog="triptych", description="triptych: a multimodal-first LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    argv = sys.argv[1:] if argv is None else argv
     modules = {}
     for name, (modname, help_text) in SUBCOMMANDS.items():
         # Only the chosen subcommand's module is imported (others just list a stub).
@@ -98,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     mod = modules.get(args.command)
     if mod is None:
         parser.error(f"unknown command {args.command}")
+    apply_thread_policy(getattr(args, "cpu_threads", None))
     return int(mod.run(args) or 0)
 
 

@@ -63,6 +63,7 @@ class EngineConfig:
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
     attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
+    cpu_threads: int | None = None  # torch CPU threads of this engine process (default: OMP_NUM_THREADS if set, else every core it may use; several workers on one host should split the cores)
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
@@ -110,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
         if parse_size(self.encoder_cache_size) < 0:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int)
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         for k, v in self.limit_mm_per_prompt.items():
             if k not in ("image", "video") or not isinstance(v, int) or v < 0:
                 raise ValueError(f"limit_mm_per_prompt: bad entry {k!r}: {v!r}")

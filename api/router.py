@@ -53,6 +53,7 @@ from triptych.engine.block_hash import chain_hashes
 from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput, RequestOutput
 from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.threads import divide_cores
 
 logger = logging.getLogger("triptych.router")
 MAX_MIGRATIONS = 2
@@ -112,8 +113,10 @@ class Router:
         self.layout = Layout.from_config(config)
         self.outputs = OutputProcessor(tokenizer)
         self._start_timeout_s = start_timeout_s
-        self._threads = threads_per_worker or max(
-            1, (os.cpu_count() or 1) // self.layout.num_workers)
+        # Each worker's torch threads: the knob, else this host's cores split between them.
+        self._threads = divide_cores(self.layout.num_workers)
+        if threads_per_worker or config.cpu_threads:
+            self._threads = [threads_per_worker or config.cpu_threads] * self.layout.num_workers
         self._parents: dict[str, _Parent] = {}
         self._by_core_id: dict[str, _Child] = {}  # the current attempt of each child
         self._children: dict[str, _Child] = {}  # by child id
@@ -144,9 +147,10 @@ class Router:
         logger.info("router listening (%s); sockets in %s", self.layout, self._dir)
         self.supervisor = Supervisor(address, self.tokenizer.eos_token_id, self._on_worker_exit)
         config = dataclasses.asdict(self.config)
+        threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
             for i in range(n):
-                w = Worker(pool, i, config, self._threads)
+                w = Worker(pool, i, config, next(threads))
                 self._load[w] = 0
                 self._prefix[w] = PrefixIndex(1)
                 self._embeds[w] = PrefixIndex(1)

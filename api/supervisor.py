@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from triptych.engine.threads import thread_env
 from triptych.engine.worker_loop import WorkerSpec
 
 logger = logging.getLogger("triptych.supervisor")
@@ -121,7 +122,10 @@ class Supervisor:
         spec = WorkerSpec(worker_id=w.identity, pool=w.pool, router_address=self.router_address,
                           config=w.config, eos_token_id=self.eos_token_id,
                           parent_pid=os.getpid(), num_threads=w.num_threads)
-        env = {**os.environ, "OMP_NUM_THREADS": str(w.num_threads)}
+        # NOTE: the count is this worker's share, set explicitly: P0's own environment holds
+        # the count the CLI chose for P0 (all cores), which thread_env would keep.
+        env = thread_env(w.num_threads, os.environ)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(w.num_threads)
         w.proc = subprocess.Popen([sys.executable, "-m", POOL_MODULES[w.pool]],
                                   stdin=subprocess.PIPE, env=env)
         assert w.proc.stdin is not None

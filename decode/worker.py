@@ -56,13 +56,11 @@ class DecodeWorker(Handler):
         self.pooled = spec.pool == "decode"  # pools exchange data through a connector
         self.connector = self.receiver = self.inbox = None
         if self.pooled:
-            from triptych.connector import make_connector, resolve_kind
             from triptych.decode.kv_receiver import KVReceiver
+            from triptych.engine.data_endpoint import data_endpoint
             from triptych.prefill.inbox import EmbeddingInbox
 
-            self.connector = make_connector(resolve_kind(config.kv_transfer, same_host=True),
-                                            name=spec.worker_id.replace("#", "-"),
-                                            header_type=wire.DataMsg)
+            self.connector = data_endpoint(config, spec)
             self.receiver = KVReceiver(self.core, config.kv_transfer_timeout)
             self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
                                         self.core.dtype, config.kv_transfer_timeout)

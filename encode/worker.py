@@ -18,11 +18,12 @@ from typing import Any
 import msgspec
 import zmq
 from triptych.config import EngineConfig
-from triptych.connector import ConnectorError, make_connector, resolve_kind
+from triptych.connector import ConnectorError
 from triptych.decode.worker import items_from_wire
 from triptych.encode.encoder_cache import EncoderCache
 from triptych.encode.encoder_runner import EncoderRunner
 from triptych.engine import wire
+from triptych.engine.data_endpoint import data_endpoint
 from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtype
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
@@ -53,9 +54,7 @@ class EncodeWorker(Handler):
         self.shape = ModelShape.from_hf(hf)
         self.runner = EncoderRunner(model.encode_images, EncoderCache(config.encoder_cache_size),
                                     device, dtype)
-        self.connector = make_connector(resolve_kind(config.kv_transfer, same_host=True),
-                                        name=spec.worker_id.replace("#", "-"),
-                                        header_type=wire.DataMsg)
+        self.connector = data_endpoint(config, spec)
         self._jobs: list[_Job] = []
         self.bytes_sent = 0
         self.histogram = Histogram()  # seconds to encode and send one request's items

@@ -5,11 +5,13 @@ context around the forward call; attention layers read it from here.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -22,6 +24,20 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B+1] int32: query chunk boundaries in the flat batch
     seq_lens: torch.Tensor  # [B] int32: context length per sequence after this step
     max_query_len: int  # longest query chunk; 1 means a pure decode batch
+    # Host copies of the two above (the runner has them anyway): reading them never syncs
+    # a device, and None is fine (they are derived on first use).
+    cu_seqlens_q_cpu: np.ndarray | None = None
+    seq_lens_cpu: np.ndarray | None = None
+    # Per-forward values derived from the fields above (gather indices, masks, rotary
+    # cos/sin): built by the first layer that needs them, reused by every other layer.
+    plans: dict[str, Any] = field(default_factory=dict)
+
+    def plan(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per forward pass, memoised under ``key``."""
+        value = self.plans.get(key)
+        if value is None:
+            value = self.plans[key] = build()
+        return value
 
 
 @dataclass

@@ -25,6 +25,7 @@ from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput, RequestOutput
 from triptych.engine.request import MMItem
 from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.threads import apply_thread_policy
 
 logger = logging.getLogger("triptych.engine")
 
@@ -34,6 +35,8 @@ class LLMEngine:
         if config.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 runs replicas as worker processes: use "
                              "`triptych serve` or LLM(...), not LLMEngine directly")
+        # Threads and OpenMP wait policy of this process, before the model runs.
+        self.cpu_threads = apply_thread_policy(config.cpu_threads)
         if tokenizer is None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,

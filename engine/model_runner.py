@@ -1,26 +1,48 @@
 """ModelRunner: a SchedulerOutput in, sampled token ids out.
 
-It owns the KV cache tensors and flattens the scheduled chunks into one batch:
+It owns the KV cache tensors and a persistent ``InputBatch`` (engine/input_batch.py) that
+holds each scheduled request's token ids, counters and block table across steps; a step
+syncs the batch with the scheduler's decision (join, leave, new blocks), flattens it with
+a few vectorised ops and runs the model once:
 
     request:        r0 (decode)   r1 (prefill chunk 16..40)       r2 (decode)
     flat tokens:    [t]           [t t t ... t]  (24)             [t]
     cu_seqlens_q:   0, 1,                        25,              26
     seq_lens:       ctx0+1,                      40,              ctx2+1
 
+Rows follow the batch's order, not the scheduler's: outputs are keyed by request id.
 Image placeholder rows of the flat batch are overwritten with vision embeddings taken
 from the encoder runner (a chunk may cover only part of an image's span).
 """
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from triptych.encode.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from triptych.engine.request import Request
+from triptych.engine.input_batch import InputBatch, StepInputs
+from triptych.engine.request import MMItem, Request
 from triptych.engine.sampler import Sampler, SamplerOutput
 from triptych.engine.scheduler import SchedulerOutput
+
+
+class StepTimes:
+    """Seconds spent per phase of ``execute`` (summed over steps; read by the profiler)."""
+
+    PHASES = ("inputs", "vision", "forward", "logits", "sampling")
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def add(self, marks: list[float]) -> None:
+        for name, a, b in zip(self.PHASES, marks, marks[1:]):
+            self.totals[name] += b - a
+        self.steps += 1
 
 
 class ModelRunner:
@@ -34,6 +56,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(num_layers)]
         self.sampler = Sampler(seed)
+        self.batch = InputBatch(block_size)
+        self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
 
     def positions_for(self, req: Request, start: int, end: int) -> torch.Tensor:
         """[3, end-start] M-RoPE positions; tokens past the prompt are text (index + delta)."""
@@ -46,58 +70,98 @@ class ModelRunner:
             parts.append(t.expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]
-                ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
-        bs = self.block_size
-        ids, pos, slots, cu, seq_lens, tables = [], [], [], [0], [], []
-        mm_rows: list[tuple[int, str, int, int]] = []  # (flat row, mm hash, item row start, n)
-        needed = []
-        sample_rows, sample_reqs = [], []
+    def _sync(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> np.ndarray:
+        """Make the batch hold exactly this step's requests; returns tokens per row.
+
+        A row is rewritten when its request is new, is another object under a reused id,
+        or its counters disagree with the scheduler's (preempted and resumed, imported
+        with KV, tokens added from outside): the request object is the truth.
+        """
+        batch = self.batch
+        scheduled = {r.request_id for r, _ in out.scheduled}
+        for rid in [rid for rid in batch.index if rid not in scheduled]:
+            batch.remove(rid)  # finished, aborted, preempted, or not scheduled this step
+        for req, _ in out.scheduled:
+            rid = req.request_id
+            row = batch.index.get(rid)
+            if row is not None and (batch.reqs[row] is not req
+                                    or batch.num_computed[row] != req.num_computed_tokens
+                                    or batch.num_tokens[row] != req.num_tokens):
+                batch.remove(rid)
+                row = None
+            if row is None:
+                batch.add(req, block_ids[rid])
+            else:
+                batch.set_blocks(row, block_ids[rid])
+        batch.condense()
+        num_scheduled = np.zeros(batch.num_reqs, dtype=np.int64)
         for req, n in out.scheduled:
-            s, e = req.num_computed_tokens, req.num_computed_tokens + n
-            base = cu[-1]
-            ids.extend(req.all_token_ids[s:e])
-            pos.append(self.positions_for(req, s, e))
-            bt = torch.tensor(block_ids[req.request_id], dtype=torch.long)
-            tok = torch.arange(s, e)
-            slots.append(bt[tok // bs] * bs + tok % bs)
-            tables.append(bt)
+            num_scheduled[batch.index[req.request_id]] = n
+        return num_scheduled
+
+    def _merge_vision(self, embeds: torch.Tensor, inp: StepInputs,
+                      num_scheduled: np.ndarray) -> None:
+        """Overwrite placeholder rows with vision embeddings (all of the step's images go
+        through the tower in one call; cached ones skip it)."""
+        spans: list[tuple[int, MMItem, int, int]] = []  # (flat row, item, item row, n)
+        batch = self.batch
+        for row in np.flatnonzero(batch.num_computed[:batch.num_reqs]
+                                  < batch.num_prompt[:batch.num_reqs]).tolist():
+            req = batch.reqs[row]
+            s = int(batch.num_computed[row])
+            e = s + int(num_scheduled[row])
+            base = int(inp.cu_seqlens_q[row])
             for it in req.mm_items:
                 lo, hi = max(s, it.offset), min(e, it.end)
                 if lo < hi:
-                    needed.append(it)
-                    mm_rows.append((base + lo - s, it.mm_hash, lo - it.offset, hi - lo))
-            cu.append(base + n)
-            seq_lens.append(e)
-            if e == req.num_tokens:  # chunk reaches the end: its last logits pick a token
-                sample_rows.append(base + n - 1)
-                sample_reqs.append(req)
+                    spans.append((base + lo - s, it, lo - it.offset, hi - lo))
+        if not spans:
+            return
+        embs = self.encoder.get_embeddings([it for _, it, _, _ in spans])
+        for row, it, start, n in spans:
+            embeds[row:row + n] = embs[it.mm_hash][start:start + n].to(embeds.dtype)
 
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]
+                ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
+        marks = [time.perf_counter()]
+        num_scheduled = self._sync(out, block_ids)
+        inp = self.batch.prepare(num_scheduled)
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        embeds = self.model.embed_tokens(input_ids)
-        if mm_rows:
-            embs = self.encoder.get_embeddings(needed)
-            for row, h, start, n in mm_rows:
-                embeds[row:row + n] = embs[h][start:start + n].to(embeds.dtype)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
+        input_ids = torch.from_numpy(inp.input_ids).to(dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            block_tables=block_tables.to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in out.scheduled),
+            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev),
+            block_tables=torch.from_numpy(inp.block_tables).to(dev),
+            cu_seqlens_q=torch.from_numpy(inp.cu_seqlens_q).to(dev),
+            seq_lens=torch.from_numpy(inp.seq_lens).to(dev),
+            max_query_len=inp.max_query_len,
+            cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens,
         )
+        positions = torch.from_numpy(inp.positions).to(dev)
+        marks.append(time.perf_counter())
+        embeds = self.model.embed_tokens(input_ids)
+        self._merge_vision(embeds, inp, num_scheduled)
+        marks.append(time.perf_counter())
         with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
-            hidden = self.model(input_ids, torch.cat(pos, dim=1).to(dev), embeds)
-        if not sample_reqs:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        rids = [r.request_id for r in sample_reqs]
-        res: SamplerOutput = self.sampler(logits.cpu(), rids,
-                                          [r.sampling_params for r in sample_reqs])
-        return dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))
+            hidden = self.model(input_ids, positions, embeds)
+        marks.append(time.perf_counter())
+        rows = inp.sample_rows.tolist()
+        result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
+        if rows:
+            if len(rows) < hidden.shape[0]:
+                hidden = hidden[torch.from_numpy(inp.logits_index).to(dev)]
+            logits = self.model.compute_logits(hidden)
+            marks.append(time.perf_counter())
+            reqs = [self.batch.reqs[r] for r in rows]
+            rids = [r.request_id for r in reqs]
+            res: SamplerOutput = self.sampler(logits.cpu(), rids,
+                                              [r.sampling_params for r in reqs])
+            for row, tok in zip(rows, res.token_ids):
+                self.batch.append_token(row, tok)
+            result = dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))
+        else:
+            marks.append(marks[-1])
+        self.batch.advance(num_scheduled)
+        marks.append(time.perf_counter())
+        self.times.add(marks)
+        return result

@@ -138,9 +138,9 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         signal.signal(signal.SIGUSR1, _on_parent_death)
         _die_with_parent()
     signal.signal(signal.SIGTERM, _on_sigterm)
-    import torch
+    from triptych.engine.threads import apply_thread_policy
 
-    torch.set_num_threads(max(1, spec.num_threads))
+    apply_thread_policy(max(1, spec.num_threads))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     handler: Handler | None = None

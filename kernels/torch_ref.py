@@ -9,8 +9,19 @@ A token's *slot* is ``block_id * block_size + offset_in_block``.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+def cache_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots to write, mask of valid rows or None when every row is valid): one check per
+    forward instead of a device sync in every layer."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    return slot_mapping[valid], valid
 
 
 def reshape_and_cache(
@@ -19,27 +30,40 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64; -1 = do not store (padding)
+    plan: tuple[torch.Tensor, torch.Tensor | None] | None = None,  # cache_plan(slot_mapping)
 ) -> None:
     """Scatter new keys/values into their cache slots, in place."""
     nb, bs, hkv, d = k_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid] if not bool(valid.all()) else slot_mapping
-    if not bool(valid.all()):
+    slots, valid = plan if plan is not None else cache_plan(slot_mapping)
+    if valid is not None:
         key, value = key[valid], value[valid]
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, key)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, value)
 
 
-def _gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of one sequence, [seq_len, Hkv, D] each, gathered through its block table."""
-    bs = k_cache.shape[1]
-    nblk = (seq_len + bs - 1) // bs
-    blocks = block_table[:nblk].long()
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
-    return k, v
+reshape_and_cache.make_plan = cache_plan  # type: ignore[attr-defined]
+
+
+class DecodePlan(NamedTuple):
+    """What every layer's decode attention shares in one forward pass."""
+
+    block_idx: torch.Tensor  # [B * nblk] int64: block ids, row by row (padding: block 0)
+    num_blocks: int  # nblk: blocks per row, enough for the longest context
+    mask: torch.Tensor  # [B, 1, 1, nblk * block_size] float: 0 inside the context, -inf past it
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+                ) -> DecodePlan:
+    b = block_tables.shape[0]
+    max_len = int(seq_lens.max()) if b else 0
+    nblk = (max_len + block_size - 1) // block_size
+    pos = torch.arange(nblk * block_size, device=block_tables.device)
+    past = pos[None, :] >= seq_lens[:, None].to(pos.device)  # [B, L]: beyond the context
+    mask = torch.zeros(b, 1, 1, nblk * block_size, device=block_tables.device)
+    mask.masked_fill_(past[:, None, None, :], float("-inf"))
+    return DecodePlan(block_tables[:, :nblk].reshape(-1).long(), nblk, mask)
 
 
 def paged_decode_attention(
@@ -49,24 +73,69 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: context length including the query token
     scale: float,
+    plan: DecodePlan | None = None,  # per-forward gather indices and mask (decode_plan)
 ) -> torch.Tensor:  # [B, H, D]
-    """Attention of one new token per sequence over its whole paged context (GQA aware)."""
+    """Attention of one new token per sequence over its whole paged context (GQA aware).
+
+    The G = H / Hkv query heads sharing a KV head are the "query length" of one SDPA call
+    per KV head, so K/V are gathered once and never repeated:
+        q [B, H, D] -> [B, Hkv, G, D];  K, V [B, Hkv, L, D];  out [B, Hkv, G, D] -> [B, H, D]
+    """
     b, h, d = q.shape
-    bs = k_cache.shape[1]
+    nb, bs, hkv, _ = k_cache.shape
     if b == 0:
         return q.new_empty(b, h, d)
-    max_len = int(seq_lens.max())
-    nblk = (max_len + bs - 1) // bs
-    blocks = block_tables[:, :nblk].long()  # [B, nblk]
-    # Batched gather, then a strided view: [B, nblk*bs, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-    pos = torch.arange(nblk * bs, device=q.device)
-    mask = pos[None, :] < seq_lens[:, None].to(q.device)  # [B, L]
+    if plan is None:
+        plan = decode_plan(block_tables, seq_lens, bs)
+    length = plan.num_blocks * bs
+    # One index_select of whole blocks on a flat view: [B*nblk, bs*Hkv*D] -> [B, Hkv, L, D]
+    k = k_cache.view(nb, -1).index_select(0, plan.block_idx).view(b, length, hkv, d)
+    v = v_cache.view(nb, -1).index_select(0, plan.block_idx).view(b, length, hkv, d)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    mask = plan.mask if plan.mask.dtype == q.dtype else plan.mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
-        scale=scale, enable_gqa=True)  # [B, H, 1, D]
-    return out[:, :, 0]
+        q.view(b, hkv, h // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale)  # [B, Hkv, G, D]
+    return out.reshape(b, h, d)
+
+
+paged_decode_attention.make_plan = decode_plan  # type: ignore[attr-defined]
+
+
+class PrefillGroup(NamedTuple):
+    """Sequences of one prefill forward with the same (query length, context length)."""
+
+    rows: torch.Tensor  # [n * q_len] int64: their query rows in the flat batch
+    block_idx: torch.Tensor  # [n * nblk] int64: their blocks, sequence by sequence
+    q_len: int
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (cached prefix); None = plain causal
+
+
+def prefill_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor, block_size: int,
+                 cu_cpu: Any = None, lens_cpu: Any = None) -> list[PrefillGroup]:
+    """Group the sequences by shape so each group is one batched SDPA call."""
+    cu = (cu_cpu if cu_cpu is not None else cu_seqlens_q).tolist()
+    lens = (lens_cpu if lens_cpu is not None else seq_lens).tolist()
+    dev = block_tables.device
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, seq_len in enumerate(lens):
+        q_len = cu[i + 1] - cu[i]
+        if q_len:
+            by_shape.setdefault((q_len, seq_len), []).append(i)
+    groups = []
+    for (q_len, seq_len), seqs in by_shape.items():
+        nblk = (seq_len + block_size - 1) // block_size
+        rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(dev)
+        block_idx = block_tables[seqs, :nblk].reshape(-1).long()
+        mask = None
+        if q_len != seq_len:  # a cached prefix: query i sits at seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
+        groups.append(PrefillGroup(rows, block_idx, q_len, seq_len, mask))
+    return groups
 
 
 def paged_prefill_attention(
@@ -77,35 +146,35 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [B+1] int32: query chunk boundaries in q
     seq_lens: torch.Tensor,  # [B] int32: context length including this chunk
     scale: float,
+    plan: list[PrefillGroup] | None = None,  # per-forward grouping (prefill_plan)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each query chunk over its cached prefix and itself.
 
     The chunk's own K/V must already be in the cache (``reshape_and_cache`` first).
     Query i of a chunk of length q_len sits at position ``seq_len - q_len + i``.
+    Sequences of equal shape run as one batch; a chunk with no cached prefix is plain
+    causal SDPA (GQA without repeating K/V).
     """
-    t, h, d = q.shape
-    hkv = k_cache.shape[2]
+    h, d = q.shape[1], q.shape[2]
+    nb, bs, hkv, _ = k_cache.shape
+    if plan is None:
+        plan = prefill_plan(block_tables, cu_seqlens_q, seq_lens, bs)
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        s, e = cu[i], cu[i + 1]
-        q_len = e - s
-        if q_len == 0:
-            continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i], seq_len)
-        qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
-        ki = k.transpose(0, 1).repeat_interleave(h // hkv, 0)  # [H, L, D]
-        vi = v.transpose(0, 1).repeat_interleave(h // hkv, 0)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
-        o = F.scaled_dot_product_attention(
-            qi.unsqueeze(0), ki.unsqueeze(0).to(qi.dtype), vi.unsqueeze(0).to(qi.dtype),
-            attn_mask=mask, scale=scale,
-        )
-        out[s:e] = o[0].transpose(0, 1)
+    for g in plan:
+        n = g.rows.numel() // g.q_len
+        nblk = g.block_idx.numel() // n
+        qg = q.index_select(0, g.rows).view(n, g.q_len, h, d).transpose(1, 2)
+        k = k_cache.view(nb, -1).index_select(0, g.block_idx).view(n, nblk * bs, hkv, d)
+        v = v_cache.view(nb, -1).index_select(0, g.block_idx).view(n, nblk * bs, hkv, d)
+        k = k[:, :g.seq_len].transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
+        v = v[:, :g.seq_len].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, is_causal=g.mask is None,
+                                           scale=scale, enable_gqa=True)  # [n, H, q_len, D]
+        out.index_copy_(0, g.rows, o.transpose(1, 2).reshape(-1, h, d))
     return out
+
+
+paged_prefill_attention.make_plan = prefill_plan  # type: ignore[attr-defined]
 
 
 def varlen_attention(
@@ -115,20 +184,25 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,  # [N+1] int32: segment boundaries
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Bidirectional attention inside each segment (vision patches of one image / window)."""
+    """Bidirectional attention inside each segment (vision patches of one image / window).
+
+    Runs of consecutive segments of equal length (the frames of same-sized images, the
+    full windows of Qwen2.5-VL) are one batched SDPA call each."""
     out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
-    for i in range(len(cu) - 1):
-        s, e = cu[i], cu[i + 1]
-        if e == s:
-            continue
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0),
-            k[s:e].transpose(0, 1).unsqueeze(0),
-            v[s:e].transpose(0, 1).unsqueeze(0),
-            scale=scale,
-        )
-        out[s:e] = o[0].transpose(0, 1)
+    h, d = q.shape[1], q.shape[2]
+    i = 0
+    while i < len(cu) - 1:
+        seg = cu[i + 1] - cu[i]
+        j = i + 1
+        while j < len(cu) - 1 and cu[j + 1] - cu[j] == seg:
+            j += 1
+        s, e = cu[i], cu[j]
+        if seg:
+            qs, ks, vs = (x[s:e].view(j - i, seg, h, d).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [n, H, seg, D]
+            out[s:e] = o.transpose(1, 2).reshape(e - s, h, d)
+        i = j
     return out
 
 
@@ -142,10 +216,36 @@ def rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (weight.float() * y).to(x.dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # NOTE: torch's own rms_norm is bit-identical to the steps below in fp32 (checked in
+        # tests/test_kernels.py) and issues a third of the ops.
+        y = F.rms_norm(x, x.shape[-1:], weight, eps)
+    else:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = (weight.float() * y).to(x.dtype)
     return y if residual is None else (y, residual)
+
+
+def mrope_plan(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               mrope_section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D] fp32 of a flat batch: one gather per forward, not per layer.
+
+    Frequency index j in [0, D/2) takes its position from section s(j):
+        j:  | 0 .. sec0-1 | sec0 .. sec0+sec1-1 | ... |
+        s:  |   temporal  |       height        | width |
+    Returned as full-width rows, cos = [c | c] and sin = [-s | s], so that
+    rope(x) = x * cos + roll(x, D/2) * sin  (roll swaps the halves: [x2 | x1]).
+    """
+    d2 = cos_sin_cache.shape[-1] // 2
+    sec = torch.repeat_interleave(torch.arange(3, device=positions.device),
+                                  torch.tensor(mrope_section, device=positions.device))  # [D/2]
+    # position of every (token, frequency): [T, D/2], then one gather of cos|sin rows
+    pos = positions.gather(0, sec[:, None].expand(-1, positions.shape[1])).t()
+    freq = torch.arange(d2, device=positions.device)
+    cos = cos_sin_cache[pos, freq].float()  # [T, D/2]
+    sin = cos_sin_cache[pos, freq + d2].float()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
 
 def apply_mrope(
@@ -154,27 +254,21 @@ def apply_mrope(
     positions: torch.Tensor,  # [3, T] int64: (temporal, height, width) position ids
     cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]
     mrope_section: list[int],  # sums to D/2: rotary dims taken from t, h, w positions
+    plan: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) from mrope_plan
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multimodal rotary embedding (Qwen2-VL), neox style (rotate halves).
+    """Multimodal rotary embedding (Qwen2-VL), neox style (rotate halves), in fp32.
 
-    Frequency index j in [0, D/2) takes its position from section s(j):
-        j:  | 0 .. sec0-1 | sec0 .. sec0+sec1-1 | ... |
-        s:  |   temporal  |       height        | width |
-    """
-    d = q.shape[-1]
-    cs = cos_sin_cache[positions]  # [3, T, D]
-    cos, sin = cs[..., : d // 2], cs[..., d // 2:]
-    sec = torch.repeat_interleave(
-        torch.arange(3, device=q.device), torch.tensor(mrope_section, device=q.device)
-    )  # [D/2]: which section each frequency reads
-    idx = sec.view(1, 1, -1).expand(1, cos.shape[1], -1)
-    cos = torch.gather(cos, 0, idx)[0]  # [T, D/2]
-    sin = torch.gather(sin, 0, idx)[0]
+    x1 * c - x2 * s == x1 * c + x2 * (-s) exactly, so this equals HF's
+    ``x * cos + rotate_half(x) * sin`` bit for bit in fp32."""
+    cos, sin = plan if plan is not None else mrope_plan(positions, cos_sin_cache, mrope_section)
+    d2 = q.shape[-1] // 2
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-        c, s = cos[:, None, :].float(), sin[:, None, :].float()
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        y = xf * cos + xf.roll(d2, -1) * sin
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     return rot(q), rot(k)
+
+
+apply_mrope.make_plan = mrope_plan  # type: ignore[attr-defined]

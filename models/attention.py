@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from triptych.engine.forward_context import get_forward_context
 
 
@@ -25,9 +24,24 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         meta, ops = ctx.attn, ctx.ops
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # An op exposing ``make_plan`` (the torch reference) gets the per-forward gather
+        # indices and masks built once, by the first layer, instead of in every layer.
+        fn = ops.reshape_and_cache
+        make = getattr(fn, "make_plan", None)
+        extra = {} if make is None else {"plan": meta.plan(
+            "cache", lambda: make(meta.slot_mapping))}
+        fn(k, v, k_cache, v_cache, meta.slot_mapping, **extra)
+        bs = k_cache.shape[1]
         if meta.max_query_len == 1:
-            return ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
-        return ops.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale)
+            fn = ops.paged_decode_attention
+            make = getattr(fn, "make_plan", None)
+            extra = {} if make is None else {"plan": meta.plan(
+                "decode", lambda: make(meta.block_tables, meta.seq_lens, bs))}
+            return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **extra)
+        fn = ops.paged_prefill_attention
+        make = getattr(fn, "make_plan", None)
+        extra = {} if make is None else {"plan": meta.plan("prefill", lambda: make(
+            meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, bs, meta.cu_seqlens_q_cpu,
+            meta.seq_lens_cpu))}
+        return fn(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                  self.scale, **extra)

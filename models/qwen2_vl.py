@@ -39,40 +39,64 @@ def rope_config(text: Any) -> tuple[float, list[int]]:
 
 
 class Qwen2Attention(nn.Module):
+    """Self-attention with one fused q|k|v projection (the checkpoint's three are stacked
+    by rows at load, see ``fused_shards``): one GEMM instead of three per layer."""
+
     def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = text.num_attention_heads, text.num_key_value_heads
         # NOTE: HF derives head_dim from hidden_size even if the config carries head_dim
         self.head_dim = text.hidden_size // self.num_heads
         h, d = text.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=True)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=True)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=True)
+        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=True)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
         self.ops = ops
 
+    def fused_shards(self) -> dict[str, tuple[str, int, int]]:
+        return _shards("qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes, ("weight", "bias"))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
-                mrope_section: list[int]) -> torch.Tensor:
-        # x: [T, hidden]; positions: [3, T]
+                mrope_section: list[int], rope: Any = None) -> torch.Tensor:
+        # x: [T, hidden]; positions: [3, T]; qkv: [T, (H + 2*Hkv) * D]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_mrope(q, k, positions, cos_sin_cache, mrope_section)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        extra = {} if rope is None else {"plan": rope}
+        q, k = self.ops.apply_mrope(q, k, positions, cos_sin_cache, mrope_section, **extra)
         o = self.attn(q, k, v)  # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
 
 
 class Qwen2MLP(nn.Module):
+    """SwiGLU with gate and up fused into one [2 * inter, hidden] projection."""
+
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def fused_shards(self) -> dict[str, tuple[str, int, int]]:
+        return _shards("gate_up_proj", ("gate_proj", "up_proj"), [self.inter] * 2, ("weight",))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _shards(fused: str, parts: tuple[str, ...], sizes: list[int], kinds: tuple[str, ...]
+            ) -> dict[str, tuple[str, int, int]]:
+    """checkpoint sub-name -> (fused sub-name, first row, end row)."""
+    out, row = {}, 0
+    for part, n in zip(parts, sizes):
+        for kind in kinds:
+            out[f"{part}.{kind}"] = (f"{fused}.{kind}", row, row + n)
+        row += n
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -96,14 +120,14 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin_cache: torch.Tensor, mrope_section: list[int]
+                cos_sin_cache: torch.Tensor, mrope_section: list[int], rope: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # Residual stream carried separately so each norm fuses the preceding add.
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin_cache, mrope_section)
+        x = self.self_attn(positions, x, cos_sin_cache, mrope_section, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -115,12 +139,17 @@ class Qwen2TextModel(nn.Module):
         self.layers = nn.ModuleList(
             [Qwen2DecoderLayer(text, i, ops) for i in range(text.num_hidden_layers)])
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
                 mrope_section: list[int]) -> torch.Tensor:
+        # M-RoPE cos/sin depend only on the positions: built once here, not in every layer
+        # (for kernels that take them; a fused Triton rope reads the table itself).
+        make = getattr(self.ops.apply_mrope, "make_plan", None)
+        rope = None if make is None else make(positions, cos_sin_cache, mrope_section)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, cos_sin_cache, mrope_section)
+            x, residual = layer(positions, x, residual, cos_sin_cache, mrope_section, rope)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -207,22 +236,35 @@ class Qwen2VLForCausalLM(nn.Module):
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
         return list(emb.split(sizes))
 
+    def _fused_shards(self) -> dict[str, tuple[str, int, int]]:
+        """Our unfused parameter name -> (fused parameter name, first row, end row)."""
+        out = {}
+        for prefix, mod in self.named_modules():
+            if hasattr(mod, "fused_shards"):
+                for part, (fused, a, b) in mod.fused_shards().items():
+                    out[f"{prefix}.{part}"] = (f"{prefix}.{fused}", a, b)
+        return out
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in by name (hub layout or transformers-5 layout).
 
         Raises ValueError on a shape mismatch or when a parameter stays unloaded."""
         params = dict(self.named_parameters())
+        shards = self._fused_shards()  # checkpoint name -> (fused param, rows)
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, tensor in weights:
             name = map_checkpoint_name(ckpt_name)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
-            param = params.get(name) if name is not None else None
+            target = shards.get(name) if name is not None else None
+            param = params.get(target[0] if target else name) if name is not None else None
             if param is None:
                 unexpected.append(ckpt_name)
                 continue
+            if target is not None:
+                param = param[target[1]:target[2]]  # this checkpoint tensor's rows
             if name.endswith("patch_embed.proj.weight") and tensor.dim() == 5:
                 tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> linear weight
             if tuple(tensor.shape) != tuple(param.shape):
@@ -230,6 +272,8 @@ class Qwen2VLForCausalLM(nn.Module):
                                  f" but the model expects {tuple(param.shape)}")
             param.copy_(tensor)
             loaded.add(name)
+        fused = {t[0] for t in shards.values()}
+        params = {n: p for n, p in params.items() if n not in fused} | dict.fromkeys(shards)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs (hub "

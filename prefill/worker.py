@@ -17,9 +17,10 @@ from typing import Any
 import msgspec
 import zmq
 from triptych.config import EngineConfig
-from triptych.connector import BadMessage, make_connector, resolve_kind
+from triptych.connector import BadMessage
 from triptych.decode.worker import items_from_wire
 from triptych.engine import wire
+from triptych.engine.data_endpoint import data_endpoint
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
 from triptych.prefill.inbox import EmbeddingInbox
@@ -32,9 +33,7 @@ class PrefillWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
         self.core = EngineCore(config, eos_token_id=spec.eos_token_id)
-        self.connector = make_connector(resolve_kind(config.kv_transfer, same_host=True),
-                                        name=spec.worker_id.replace("#", "-"),
-                                        header_type=wire.DataMsg)
+        self.connector = data_endpoint(config, spec)
         self.sender = KVSender(self.core, self.connector)
         self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
                                     self.core.dtype, config.kv_transfer_timeout)

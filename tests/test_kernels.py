@@ -248,3 +248,66 @@ def test_kernels_compile_for_h100():
                        env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == 21 and "0 failed" in r.stdout
+
+
+# ---------------------------------------------------------------- per-forward plans (torch)
+
+def test_plans_equal_unplanned_calls():
+    """A plan built once per forward (as the model does) gives the same result as each op
+    building its own, for decode, grouped prefill (equal shapes batched, mixed shapes,
+    a cached prefix, a decode row), KV writes with padding and M-RoPE."""
+    spec = [(9, 9), (9, 9), (23, 6), (12, 1), (12, 1), (19, 18)]
+    lens, q_lens = [n for n, _ in spec], [c for _, c in spec]
+    k, v, bt, sl = paged_setup(lens, 2, 16, 4, torch.float32, seed=3)
+    q = torch.randn(sum(q_lens), 8, 16)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    plan = torch_ref.prefill_plan(bt, cu, sl, 4, cu.numpy(), sl.numpy())
+    assert sorted((g.q_len, g.seq_len) for g in plan) == [(1, 12), (6, 23), (9, 9), (18, 19)]
+    got = torch_ref.paged_prefill_attention(q, k, v, bt, cu, sl, 0.25, plan=plan)
+    close(got, dense_reference(q, k, v, bt, sl, q_lens, 0.25), torch.float32)
+    qd = torch.randn(len(lens), 8, 16)
+    dplan = torch_ref.decode_plan(bt, sl, 4)
+    assert torch.equal(torch_ref.paged_decode_attention(qd, k, v, bt, sl, 0.25, plan=dplan),
+                       torch_ref.paged_decode_attention(qd, k, v, bt, sl, 0.25))
+    slots = torch.tensor([3, -1, 17])
+    kv = torch.randn(3, 2, 16)
+    a, b = k.clone(), k.clone()
+    torch_ref.reshape_and_cache(kv, kv, a, a.clone(), slots, plan=torch_ref.cache_plan(slots))
+    torch_ref.reshape_and_cache(kv, kv, b, b.clone(), slots)
+    assert torch.equal(a, b)
+
+
+def test_fp32_fast_paths_are_bit_exact():
+    """rms_norm (torch's fused op) and M-RoPE (roll form) equal the step-by-step HF math."""
+    x, r, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
+    h = x + r
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    y, res = torch_ref.rms_norm(x, w, 1e-6, r)
+    assert torch.equal(y, ref) and torch.equal(res, h)
+    d = 16
+    ang = torch.arange(64).float()[:, None] * (1.0 / (100 ** (torch.arange(0, d, 2).float() / d)))
+    cache = torch.cat([ang.cos(), ang.sin()], -1)
+    pos = torch.randint(0, 64, (3, 7))
+    q, k = torch.randn(7, 4, d), torch.randn(7, 2, d)
+    sec = torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3]))
+    cs = cache[pos]  # [3, T, D]: HF's per-section selection, then cos|cos and sin|sin
+    cos = torch.gather(cs[..., :d // 2], 0, sec.expand(1, 7, -1))[0]
+    sin = torch.gather(cs[..., d // 2:], 0, sec.expand(1, 7, -1))[0]
+    cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+
+    qa, ka = torch_ref.apply_mrope(q, k, pos, cache, [2, 3, 3])
+    assert torch.equal(qa, q * cos + rotate_half(q) * sin)
+    assert torch.equal(ka, k * cos + rotate_half(k) * sin)
+
+
+def test_varlen_attention_batches_equal_segments():
+    cu = torch.tensor([0, 16, 32, 48, 57, 73], dtype=torch.int32)  # 3 equal, 1 odd, 1 equal
+    q, k, v = (torch.randn(73, 2, 16) for _ in range(3))
+    got = torch_ref.varlen_attention(q, k, v, cu, 0.25)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)),
+                                             scale=0.25).transpose(0, 1)
+        close(got[s:e], ref, torch.float32)

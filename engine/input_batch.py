@@ -1,0 +1,226 @@
+"""InputBatch: the runner's per-request state, kept in preallocated arrays across steps.
+
+One row per request in the current step (rows ``[0, num_reqs)`` are dense after
+``condense``). A request's row holds its token ids, counters, M-RoPE delta and block
+table; rows are written when a request joins, grow by a token or a block per step, and
+are freed when it leaves. A step's flat inputs are then a handful of vectorised numpy ops
+over these arrays, not per-request tensors:
+
+    row:            0              1                        2
+    token_ids:      [p p p o o]    [p p p p p p p p]        [p p o]
+    num_computed:   4              2                        2
+    num_scheduled:  1 (decode)     6 (prefill chunk 2..8)   1 (decode)
+    flat tokens:    [o]            [p p p p p p]            [o]
+    req_idx:        0              1 1 1 1 1 1              2
+    pos:            4              2 3 4 5 6 7              2
+
+    block_table[row, pos // block_size] * block_size + pos % block_size = slot of a token
+
+Bookkeeping only: nothing here touches torch tensors of the model or the KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from triptych.engine.request import Request
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs (host numpy arrays, T tokens over B rows)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [3, T] int64: M-RoPE (temporal, height, width)
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32 (contiguous copy)
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32: context length after this step
+    max_query_len: int
+    sample_rows: np.ndarray  # [S] int64: rows whose chunk reaches the end of known tokens
+    logits_index: np.ndarray  # [S] int64: flat index of each sampled row's last token
+
+
+def _grow(a: np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:
+    """``a`` zero-padded to at least (rows, cols); doubling keeps growth amortised O(1)."""
+    r = max(a.shape[0], rows or 0)
+    if r > a.shape[0]:
+        r = max(r, 2 * a.shape[0])
+    shape = (r,) + a.shape[1:]
+    if cols is not None and a.ndim == 2 and cols > a.shape[1]:
+        shape = (r, max(cols, 2 * a.shape[1]))
+    if shape == a.shape:
+        return a
+    out = np.zeros(shape, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+class InputBatch:
+    def __init__(self, block_size: int, max_reqs: int = 8, max_tokens: int = 256,
+                 max_blocks: int = 16) -> None:
+        self.block_size = block_size
+        self.reqs: list[Request | None] = [None] * max_reqs  # row -> request (None = hole)
+        self.index: dict[str, int] = {}  # request id -> row
+        self.token_ids = np.zeros((max_reqs, max_tokens), dtype=np.int64)
+        self.num_tokens = np.zeros(max_reqs, dtype=np.int64)  # ids known (prompt + outputs)
+        self.num_computed = np.zeros(max_reqs, dtype=np.int64)  # ids whose KV is cached
+        self.num_prompt = np.zeros(max_reqs, dtype=np.int64)
+        self.mrope_delta = np.zeros(max_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
+        self.num_reqs = 0  # rows in use, holes included, until condense()
+        self._holes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.index
+
+    # -- joining and leaving --------------------------------------------------------------
+    def add(self, req: Request, block_ids: list[int]) -> int:
+        """Write a request's row (new, resumed after preemption, or imported with KV)."""
+        assert req.request_id not in self.index, f"{req.request_id} is already in the batch"
+        if self._holes:
+            row = min(self._holes)
+            self._holes.remove(row)
+        else:
+            row = self.num_reqs
+            self.num_reqs += 1
+            self._ensure_rows(self.num_reqs)
+        n = req.num_tokens
+        self._ensure_tokens(n + 1)
+        self.token_ids[row, :req.num_prompt_tokens] = req.prompt_token_ids
+        self.token_ids[row, req.num_prompt_tokens:n] = req.output_token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = req.num_computed_tokens
+        self.num_prompt[row] = req.num_prompt_tokens
+        self.mrope_delta[row] = req.mrope_delta
+        self.num_blocks[row] = 0
+        self.reqs[row] = req
+        self.index[req.request_id] = row
+        self.set_blocks(row, block_ids)
+        return row
+
+    def remove(self, request_id: str) -> int | None:
+        """Free a request's row (finished, aborted, preempted or not scheduled)."""
+        row = self.index.pop(request_id, None)
+        if row is None:
+            return None
+        self.reqs[row] = None
+        self._holes.append(row)
+        return row
+
+    def condense(self) -> None:
+        """Fill holes with the last rows so rows ``[0, len)`` are dense.
+
+        The lowest hole takes the highest live row, repeatedly (as vLLM's input batch):
+        rows below the first hole keep their place, so a steady decode batch moves no data.
+        """
+        holes = sorted(self._holes)
+        self._holes = []
+        last = self.num_reqs - 1
+        for hole in holes:
+            while last >= 0 and self.reqs[last] is None:
+                last -= 1
+            if last <= hole:
+                break
+            self._move(last, hole)
+            last -= 1
+        self.num_reqs = len(self.index)
+
+    def _move(self, src: int, dst: int) -> None:
+        req = self.reqs[src]
+        assert req is not None
+        n = int(self.num_tokens[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = int(self.num_blocks[src])
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for a in (self.num_tokens, self.num_computed, self.num_prompt, self.mrope_delta,
+                  self.num_blocks):
+            a[dst] = a[src]
+        self.reqs[dst], self.reqs[src] = req, None
+        self.index[req.request_id] = dst
+
+    # -- growing ----------------------------------------------------------------------------
+    def set_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Append the blocks the KV manager gave this request since the last step.
+
+        NOTE: a running request's block list only grows; a preempted request loses its
+        blocks and comes back through ``add`` (the runner checks num_computed_tokens)."""
+        have, want = int(self.num_blocks[row]), len(block_ids)
+        if want > have:
+            if want > self.block_table.shape[1]:
+                self.block_table = _grow(self.block_table, cols=want)
+            self.block_table[row, have:want] = block_ids[have:]
+            self.num_blocks[row] = want
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        self._ensure_tokens(n + 2)
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def _ensure_rows(self, rows: int) -> None:
+        if rows <= len(self.reqs):
+            return
+        self.token_ids = _grow(self.token_ids, rows=rows)
+        for name in ("num_tokens", "num_computed", "num_prompt", "mrope_delta", "num_blocks"):
+            setattr(self, name, _grow(getattr(self, name), rows=rows))
+        self.block_table = _grow(self.block_table, rows=rows)
+        self.reqs += [None] * (self.token_ids.shape[0] - len(self.reqs))
+
+    def _ensure_tokens(self, n: int) -> None:
+        if n > self.token_ids.shape[1]:
+            self.token_ids = _grow(self.token_ids, cols=n)
+
+    # -- one step -------------------------------------------------------------------------
+    def prepare(self, num_scheduled: np.ndarray) -> StepInputs:
+        """Flat inputs for rows ``[0, B)`` computing ``num_scheduled[row]`` tokens each."""
+        b = len(num_scheduled)
+        assert b == self.num_reqs and not self._holes, "condense() before prepare()"
+        bs = self.block_size
+        n = num_scheduled.astype(np.int64)
+        cu = np.cumsum(n)
+        start = self.num_computed[:b]
+        if int(cu[-1]) == b:  # pure decode: one token per row, no repeat needed
+            req_idx = np.arange(b)
+            pos = start.copy()
+        else:
+            req_idx = np.repeat(np.arange(b), n)
+            pos = np.arange(int(cu[-1])) - np.repeat(cu - n, n) + start[req_idx]
+        input_ids = self.token_ids[req_idx, pos]
+        slot_mapping = self.block_table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        positions = np.broadcast_to(pos + self.mrope_delta[req_idx], (3, len(pos))).copy()
+        # Prompt tokens of image prompts take their M-RoPE ids from the request.
+        for row in np.flatnonzero(start < self.num_prompt[:b]).tolist():
+            req = self.reqs[row]
+            if req is not None and req.mm_items and req.mrope_positions is not None:
+                lo, hi = int(start[row]), min(int(start[row] + n[row]), int(self.num_prompt[row]))
+                first = int(cu[row] - n[row])
+                positions[:, first:first + hi - lo] = req.mrope_positions[:, lo:hi].numpy()
+        seq_lens = start + n
+        max_blocks = int(-(-int(seq_lens.max()) // bs))
+        sample_rows = np.flatnonzero(seq_lens == self.num_tokens[:b])
+        return StepInputs(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+            block_tables=np.ascontiguousarray(self.block_table[:b, :max_blocks]),
+            cu_seqlens_q=np.concatenate(([0], cu)).astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32), max_query_len=int(n.max()),
+            sample_rows=sample_rows, logits_index=cu[sample_rows] - 1)
+
+    def advance(self, num_scheduled: np.ndarray) -> None:
+        """After a step: the scheduled tokens' KV is in the cache."""
+        self.num_computed[:len(num_scheduled)] += num_scheduled
+
+    def check_integrity(self) -> None:
+        """Row bookkeeping invariants (tests and debugging)."""
+        live = [r for r in range(self.num_reqs) if self.reqs[r] is not None]
+        assert sorted(self.index.values()) == live, (self.index, live)
+        assert set(self._holes) | set(live) == set(range(self.num_reqs))
+        for rid, row in self.index.items():
+            req = self.reqs[row]
+            assert req is not None and req.request_id == rid
+            assert self.num_computed[row] <= self.num_tokens[row]
+            assert self.num_blocks[row] * self.block_size >= self.num_computed[row]

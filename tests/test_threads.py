@@ -1,0 +1,58 @@
+"""Thread policy: core division, child environments (user settings win), and the policy
+applied in a fresh process before torch loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from triptych.engine.threads import divide_cores, thread_env
+
+
+def test_divide_cores():
+    assert divide_cores(1, 2) == [2]
+    assert divide_cores(2, 2) == [1, 1]
+    assert divide_cores(3, 8) == [3, 3, 2]
+    assert divide_cores(3, 2) == [1, 1, 1]  # never zero threads
+    assert sum(divide_cores(4, 16)) == 16
+    assert len(divide_cores(2)) == 2
+    with pytest.raises(ValueError):
+        divide_cores(0, 4)
+
+
+def test_thread_env_sets_policy_and_user_settings_win():
+    env = thread_env(3, {"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["KMP_BLOCKTIME"] == "0"
+    mine = thread_env(3, {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert mine["OMP_NUM_THREADS"] == "7" and mine["OMP_WAIT_POLICY"] == "ACTIVE"
+    spin = thread_env(3, {"GOMP_SPINCOUNT": "5000"})  # a tuned wait: none of ours is added
+    assert spin["GOMP_SPINCOUNT"] == "5000" and "OMP_WAIT_POLICY" not in spin
+    with pytest.raises(ValueError):
+        thread_env(0, {})
+
+
+def test_policy_applied_before_torch_import_in_a_child():
+    code = ("import os, json; from triptych.engine.threads import apply_thread_policy;"
+            "n = apply_thread_policy(None); import torch;"
+            "print(json.dumps([n, torch.get_num_threads(), torch.get_num_interop_threads(),"
+            "os.environ.get('OMP_WAIT_POLICY')]))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
+                        "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    out = subprocess.run([sys.executable, "-c", code], env=thread_env(1, env),
+                         capture_output=True, text=True, check=True).stdout
+    n, intra, inter, wait = json.loads(out.strip().splitlines()[-1])
+    assert n == intra == 1 and inter == 1 and wait == "PASSIVE"
+
+
+def test_cli_reads_cpu_threads_before_parsing():
+    from triptych.cli import _early_cpu_threads
+
+    assert _early_cpu_threads(["bench", "throughput", "--cpu-threads", "3"]) == 3
+    assert _early_cpu_threads(["serve", "--model", "m", "--cpu-threads=1"]) == 1
+    assert _early_cpu_threads(["serve", "--cpu-threads", "x"]) is None  # argparse reports it
+    assert _early_cpu_threads(["chat"]) is None
