@@ -63,7 +63,7 @@ class EngineConfig:
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
     attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
-    cpu_threads: int | None = None  # torch CPU threads of this engine process (default: OMP_NUM_THREADS if set, else every core it may use; several workers on one host should split the cores)
+    cpu_threads: int | None = None  # torch CPU threads of each engine process (default: one engine takes OMP_NUM_THREADS or every core; pool workers and replicas split this host's cores)
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
