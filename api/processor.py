@@ -11,6 +11,7 @@ processor needs torchvision, see models/tiny.py).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -69,9 +70,20 @@ class InputProcessor:
         self.video_hash_kwargs = {**common, "pixels": [self.video_min_pixels, self.video_max_pixels]}
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
 
+    def for_request(self, media: MediaLimits | None = None, check_length: bool = True
+                    ) -> InputProcessor:
+        """A view for one request: its media limits (lowered caps, pixel budget) and, for a
+        prompt the server truncates afterwards, no length check. Tokenizer and processors
+        are shared, not copied."""
+        view = copy.copy(self)
+        view.media = media or self.media
+        view.max_model_len = self.max_model_len if check_length else None
+        return view
+
     # -- entry points ---------------------------------------------------------------------
-    def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True
-                     ) -> ProcessedPrompt:
+    def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """OpenAI-style messages (content a string or text/image/image_url/video/video_url
         parts, any turn) -> expanded token ids and one MMItem per image/video."""
         if not isinstance(messages, list) or not messages or \
@@ -90,8 +102,9 @@ class InputProcessor:
             for part in content:
                 media += self._parse_part(part)
         self._check_limits([k for k, _ in media])
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return self._build(text, media)
 
     def process_prompt(self, prompt: str | list[int] | dict) -> ProcessedPrompt:
