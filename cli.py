@@ -43,7 +43,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if ("%(default)" in text or "(default" in text or action.required
-                or action.default in (None, argparse.SUPPRESS, False)
+                or action.default is None or action.default == argparse.SUPPRESS
                 or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
                                        argparse._StoreConstAction, argparse._HelpAction))):
             return text
@@ -51,8 +51,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    """Every subcommand's parser: HelpFormatter also replaces argparse's
+    ArgumentDefaultsHelpFormatter, which repeats defaults that the help already states."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
+        if kwargs.get("formatter_class") in (None, argparse.ArgumentDefaultsHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
 
 

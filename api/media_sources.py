@@ -78,13 +78,13 @@ def local_file(path: str, limits: MediaLimits, max_bytes: int) -> bytes:
         raise MediaError("media file cannot be opened") from None
     finally:
         os.close(dir_fd)
+    st = os.fstat(fd)  # what was opened, not what the path names now
+    if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+        os.close(fd)
+        raise MediaError("media path is not a regular file" if not stat.S_ISREG(st.st_mode)
+                         else f"media is larger than the {max_bytes} byte limit "
+                              "(--max-media-bytes)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise MediaError("media path is not a regular file")
-        if st.st_size > max_bytes:
-            raise MediaError(f"media is larger than the {max_bytes} byte limit "
-                             "(--max-media-bytes)")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:  # grew after the fstat
         raise MediaError(f"media is larger than the {max_bytes} byte limit (--max-media-bytes)")

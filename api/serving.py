@@ -152,12 +152,14 @@ class Responder:
     async def _events(self, on_delta: Callable[[int, wire.RequestDelta], Any]
                       ) -> AsyncIterator[Any]:
         """Deltas in arrival order (each passed to on_delta), until all jobs finished."""
-        done = 0
+        done, next_check = 0, time.monotonic() + DISCONNECT_CHECK_S
         while done < len(self.gen.jobs):
             item = await self.gen.next(DISCONNECT_CHECK_S)
-            if item is None:
+            if time.monotonic() >= next_check:  # however busy the stream is
+                next_check = time.monotonic() + DISCONNECT_CHECK_S
                 if await self.raw.is_disconnected():
                     raise _ClientGone
+            if item is None:
                 continue
             i, d = item
             if isinstance(d, Exception):
@@ -213,8 +215,6 @@ class Responder:
             async for batch in self._events(chunks):
                 for chunk in batch:
                     yield chunk
-                if await self.raw.is_disconnected():
-                    raise _ClientGone
         except _ClientGone:
             self._end_unfinished("abort")
             return

@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 import time
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -46,7 +45,7 @@ def media_dir(tmp_path_factory):
 class _Slow(BaseHTTPRequestHandler):
     """Promises 10 kB and sends a byte every 0.2 s: a fetch that never ends by itself."""
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", "10000")
         self.end_headers()
@@ -117,7 +116,8 @@ def post(server, path, body, **kw):
 def test_completion_logprobs_are_the_models(client, offline):
     want = gen(offline, "Once upon a time", max_tokens=4, logprobs=3)
     ref = want.outputs[0]
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=3)
+    kw = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+          "logprobs": 3}
     # token_id:N names make the comparison exact (two ids may decode to the same text)
     r = client.completions.create(**kw, extra_body={"return_token_ids": True,
                                                     "return_tokens_as_token_ids": True})
