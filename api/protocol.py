@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 INT32 = 2**31 - 1  # bound on counts (they must also fit the msgpack wire)
 INT64 = 2**63 - 1
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1000  # characters per stop string (each is searched for after every token)
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
@@ -33,6 +34,7 @@ def _utf8(s: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=INT32)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Model(BaseModel):
@@ -96,7 +98,7 @@ class _Common(_Model):
     length_penalty: float = 1.0
     max_tokens: int | None = Field(None, ge=1, le=INT32)
     min_tokens: int = Field(0, ge=0, le=INT32)
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],

@@ -199,7 +199,7 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         """SageMaker's entry point: a chat body (``messages``) or a completion (``prompt``)."""
         try:
             data = json.loads(await raw.body())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
             raise APIError(400, "the request body is not valid JSON") from None
         kind = (ChatCompletionRequest if "messages" in data else
                 CompletionRequest if "prompt" in data else None) if isinstance(data, dict) \

@@ -138,6 +138,9 @@ CASES = {
     "invalid UTF-8": (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None,
                       ""),
     "not JSON": (b"{nope", 400, None, "JSON"),
+    "stop string too long": ({"messages": HI, "stop": ["x" * 1001]}, 400, "stop",
+                             "at most 1000"),
+    "too many stop strings": ({"messages": HI, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
     "too many characters": ({"messages": user(text_part("x" * 10_300))}, 400, "messages",
                             "--max-prompt-chars"),
     "too many images for the limit": ({"messages": user(*[image_part("http://a/b.png")] * 9)},
@@ -167,6 +170,11 @@ def test_unknown_routes_and_methods_get_openai_errors(server):
     for r in (httpx.get(server.base + "/v1/nothing"), httpx.get(server.base + "/v1/completions"),
               httpx.post(server.base + "/v1/models", json={})):
         assert r.status_code in (404, 405) and r.json()["error"]["code"] == r.status_code
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # recursion bait
+    for path in ("/v1/chat/completions", "/invocations"):
+        r = httpx.post(server.base + path, content=deep, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400
 
 
 def _mem(pid: int, field: str) -> int:
