@@ -97,11 +97,21 @@ class EngineCollector:
     processor cache, until the stats carry it)."""
 
     def __init__(self, stats: Callable[[], dict[str, float]], model_name: str,
-                 local: Callable[[], dict[str, float]]) -> None:
+                 local: Callable[[], dict[str, float]], cache_info: dict[str, str]) -> None:
         self.stats, self.model_name, self.local = stats, model_name, local
+        self.cache_info = cache_info
 
     def collect(self) -> Iterable[Metric]:
         pools = split_pools(dict(self.stats()))
+        # vLLM's info gauge: the cache configuration as labels, value 1; the engine's block
+        # count once it reports it.
+        blocks = next((str(int(s["num_gpu_blocks"])) for s in pools.values()
+                       if "num_gpu_blocks" in s), "")
+        info = {**self.cache_info, "num_gpu_blocks": blocks, "engine": "0"}
+        g = GaugeMetricFamily("triptych:cache_config_info", "Information of the KV cache "
+                              "configuration", labels=sorted(info))
+        g.add_metric([info[k] for k in sorted(info)], 1.0)
+        yield g
         if not any("mm_processor_cache_queries" in s or "mm_processor_cache_queries_total" in s
                    for s in pools.values()):
             first = next(iter(pools.values()))

@@ -19,17 +19,12 @@ class MediaFetcher:
     def __init__(self, max_concurrent: int) -> None:
         self.max_concurrent = max_concurrent
         self._sem: asyncio.Semaphore | None = None  # made on the serving loop, on first use
-        self.in_flight = 0
 
     async def _fetch(self, url: str, limits: MediaLimits, max_bytes: int) -> bytes:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrent)
         async with self._sem:
-            self.in_flight += 1
-            try:
-                return await afetch_bytes(url, limits, max_bytes)
-            finally:
-                self.in_flight -= 1
+            return await afetch_bytes(url, limits, max_bytes)
 
     async def _one(self, ref: dict[str, Any], kind: str, limits: MediaLimits) -> None:
         max_bytes = limits.max_image_bytes if kind == "image" else limits.max_video_bytes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from triptych.api.engine_metrics import EngineCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -53,7 +53,7 @@ class Metrics:
                  mm_items: Callable[[], int] = lambda: 0) -> None:
         self.registry = r = CollectorRegistry()
         self.mm_items = mm_items  # images/videos P0 processed (the processor cache's queries)
-        r.register(EngineCollector(stats, model_name, self._local))
+        r.register(EngineCollector(stats, model_name, self._local, cache_info or {}))
         lab, self._values = ["model_name", "engine"], [model_name, "0"]
         tokens = buckets_1_2_5(max_model_len)
 
@@ -88,9 +88,6 @@ class Metrics:
                                                                "prefix cache", lab, registry=r)
         self.by_source = Counter("triptych:prompt_tokens_by_source", "Prompt tokens by source",
                                  lab + ["source"], registry=r)
-        info = Gauge("triptych:cache_config_info", "Information of the KV cache configuration",
-                     sorted({"engine", *(cache_info or {})}), registry=r)
-        info.labels(**{**(cache_info or {}), "engine": "0"}).set(1)
 
     def _local(self) -> dict[str, float]:
         return {"mm_processor_cache_queries": float(self.mm_items()),

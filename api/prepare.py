@@ -54,10 +54,15 @@ class InputStage:
         return self.admission.reserve(k)
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
+        from jinja2 import TemplateError
+
         try:  # media decoding, the HF processor and the tokenizer: off the event loop
             return await anyio.to_thread.run_sync(fn)
         except ValueError as e:  # MediaError included: its message is meant for clients
             raise APIError(400, str(e)) from None
+        except TemplateError as e:  # the template's raise_exception(...) speaks to clients
+            raise APIError(400, f"the chat template refused the messages: {e}",
+                           param="messages") from None
 
     def _finish(self, body: Any, prompt: ProcessedPrompt, logprobs: int | None, param: str
                 ) -> tuple[ProcessedPrompt, Any]:

@@ -464,9 +464,13 @@ def test_stats_convention_per_pool():
     assert fams["triptych:encoder_cache_usage_bytes"].samples[0].value == 1024.0
     it = {s.name: s.value for s in fams["triptych:iteration_tokens_total"].samples}
     assert it["triptych:iteration_tokens_total_count"] == 4.0
-    flat = {s.labels["pool"] for s in Metrics(lambda: {"num_requests_running": 1.0}, "m", 64)
-            .registry.collect().__next__().samples}
-    assert flat == {"colocated"}
+    flat = Metrics(lambda: {"num_requests_running": 1.0, "num_gpu_blocks": 64.0}, "m", 64,
+                   {"block_size": "4"})
+    fams = {f.name: f for f in flat.registry.collect()}
+    (sample,) = fams["triptych:num_requests_running"].samples
+    assert sample.labels["pool"] == "colocated" and sample.value == 1.0
+    (info,) = fams["triptych:cache_config_info"].samples
+    assert info.labels == {"block_size": "4", "num_gpu_blocks": "64", "engine": "0"}
 
 
 def test_help_and_request_check_units():
