@@ -83,11 +83,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Answer one conversation (a list of OpenAI-style messages) or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or a list of them.
+        ``continue_final_message`` continues the last message instead of starting a new
+        one (vLLM's parameters; pass ``add_generation_prompt=False`` with it)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         processed = [self._process(i, lambda c=c: self.processor.process_chat(
-            c, add_generation_prompt=add_generation_prompt)) for i, c in enumerate(convs)]
+            c, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)) for i, c in enumerate(convs)]
         return self._run(processed, sampling_params, use_tqdm)
 
     @staticmethod

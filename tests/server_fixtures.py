@@ -169,6 +169,16 @@ class ServerProc:
                 out.setdefault(s.name, s.value)
         return out
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called ``name`` whose labels include ``labels`` (e.g.
+        every pool's ``triptych:kv_transfer_bytes_total``)."""
+        total = 0.0
+        for fam in text_string_to_metric_families(httpx.get(self.base + "/metrics").text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
     def wait_running(self, value: float, timeout: float) -> float:
         """Poll the running-requests gauge until it equals value (or time runs out)."""
         deadline = time.time() + timeout

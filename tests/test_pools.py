@@ -152,4 +152,4 @@ def test_serve_1e1p1d_equals_offline(e_p_d_server, tiny_qwen2_vl):
     assert h["status"] == "ok" and set(h["pools"]) == {"encode", "prefill", "decode"}
     import time
     time.sleep(0.6)  # the workers' stats (every 0.25 s) reach the router
-    assert e_p_d_server.metrics()["triptych:kv_transfer_bytes_total"] > 0
+    assert e_p_d_server.metric("triptych:kv_transfer_bytes_total") > 0
