@@ -36,27 +36,36 @@ class LLM:
         from triptych.api.processor import InputProcessor
         from triptych.engine.engine_core import resolve_max_model_len
 
+        from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+
         self.config = EngineConfig.from_kwargs(model=model, **knobs)
         self.layout = Layout.from_config(self.config)
         self.engine: LLMEngine | None = None
         self.pools = None  # RouterThread when the work runs in worker processes
-        if str(self.layout) == "colocated x1":
+        self._local_pixels = None  # the processor cache of the in-process engine
+        in_process = str(self.layout) == "colocated x1"
+        if in_process:
             self.engine = LLMEngine(self.config)
             tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
         else:
-            from triptych.api.router_thread import RouterThread
-
             tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model,
                                                       local_files_only=True)
             hf = AutoConfig.from_pretrained(model, local_files_only=True)
             max_len = resolve_max_model_len(
                 self.config, getattr(hf, "text_config", hf).max_position_embeddings)
-            self.pools = RouterThread(self.config, tokenizer)
         self.tokenizer = tokenizer
+        cache_bytes = processor_cache_bytes(self.config.mm_processor_cache_gb)
         self.processor = InputProcessor(
             model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
             media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
-            max_model_len=max_len, tokenizer=tokenizer)
+            max_model_len=max_len, tokenizer=tokenizer,
+            cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+        if in_process and cache_bytes:
+            from triptych.mmcache.local import LocalPixels
+            self._local_pixels = LocalPixels(cache_bytes, self.processor)
+        elif not in_process:
+            from triptych.api.router_thread import RouterThread
+            self.pools = RouterThread(self.config, tokenizer, self.processor)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -122,6 +131,8 @@ class LLM:
         ids = []
         try:
             for pp, sp in zip(processed, plist):
+                if self._local_pixels is not None:
+                    self._local_pixels.fill(pp)
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, pp.prompt_token_ids, sp, pp.mm_items, pp.prompt_text)
                 ids.append(rid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import model_validator, AfterValidator, BaseModel, ConfigDict, Field
 
 INT32 = 2**31 - 1  # bound on counts (they must also fit the msgpack wire)
 INT64 = 2**63 - 1
@@ -47,8 +47,14 @@ class StreamOptions(_Model):
 
 
 class URLRef(_Model):
-    url: Text = Field(min_length=1)
+    url: Text | None = Field(None, min_length=1)  # may be left out when a uuid names the item
     detail: Literal["auto", "low", "high"] | None = None  # accepted, unused
+
+
+def _data_or_uuid(ref: URLRef | None, uuid: str | None, field_name: str) -> None:
+    """A media part carries its data, or a uuid the server holds (vLLM: `{}` or null)."""
+    if (ref is None or ref.url is None) and uuid is None:
+        raise ValueError(f"{field_name}.url is required (or a uuid sent before with the data)")
 
 
 class TextPart(_Model):
@@ -58,14 +64,24 @@ class TextPart(_Model):
 
 class ImagePart(_Model):
     type: Literal["image_url"]
-    image_url: URLRef  # NOTE: a bare string is refused, as by OpenAI and vLLM
+    image_url: URLRef | None = None  # NOTE: a bare string is refused, as by OpenAI and vLLM
     uuid: Text | None = Field(None, max_length=256)  # vLLM: a client-chosen media id
+
+    @model_validator(mode="after")
+    def _needs_data_or_uuid(self) -> ImagePart:
+        _data_or_uuid(self.image_url, self.uuid, "image_url")
+        return self
 
 
 class VideoPart(_Model):
     type: Literal["video_url"]
-    video_url: URLRef
+    video_url: URLRef | None = None
     uuid: Text | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _needs_data_or_uuid(self) -> VideoPart:
+        _data_or_uuid(self.video_url, self.uuid, "video_url")
+        return self
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]

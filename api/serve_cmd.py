@@ -155,9 +155,12 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
         max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info)
+    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
-                               media_limits=media, max_model_len=max_len)
-    client = Router(config, processor.tokenizer)
+                               media_limits=media, max_model_len=max_len,
+                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+    client = Router(config, processor.tokenizer, processor=processor)
     try:
         await client.start()
         app = build_app(client, processor, app_config, on_shutdown=client.shutdown)

@@ -104,8 +104,9 @@ def make_run_dir() -> str:
 
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
-                 on_exit: Callable[[Worker, int], None]) -> None:
+                 on_exit: Callable[[Worker, int], None], shm_ring: str | None = None) -> None:
         self.router_address = router_address
+        self.shm_ring = shm_ring  # P0's shared-memory processor cache, if any
         self.eos_token_id = eos_token_id
         self.on_exit = on_exit
         self.workers: list[Worker] = []
@@ -121,7 +122,8 @@ class Supervisor:
             w.incarnation += 1
         spec = WorkerSpec(worker_id=w.identity, pool=w.pool, router_address=self.router_address,
                           config=w.config, eos_token_id=self.eos_token_id,
-                          parent_pid=os.getpid(), num_threads=w.num_threads)
+                          parent_pid=os.getpid(), num_threads=w.num_threads,
+                          shm_ring=self.shm_ring)
         # NOTE: the count is this worker's share, set explicitly: P0's own environment holds
         # the count the CLI chose for P0 (all cores), which thread_env would keep.
         env = thread_env(w.num_threads, os.environ)

@@ -19,7 +19,6 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import ConnectorError
-from triptych.decode.worker import items_from_wire
 from triptych.encode.encoder_cache import EncoderCache
 from triptych.encode.encoder_runner import EncoderRunner
 from triptych.engine import wire
@@ -28,6 +27,8 @@ from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtyp
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.mmcache.consumer import WorkerPixels, cache_miss_error
+from triptych.mmcache.lru import ProcessorCacheMiss
 
 logger = logging.getLogger("triptych.encode")
 
@@ -55,6 +56,7 @@ class EncodeWorker(Handler):
         self.runner = EncoderRunner(model.encode_images, EncoderCache(config.encoder_cache_size),
                                     device, dtype)
         self.connector = data_endpoint(config, spec)
+        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self._jobs: list[_Job] = []
         self.bytes_sent = 0
         self.histogram = Histogram()  # seconds to encode and send one request's items
@@ -71,7 +73,12 @@ class EncodeWorker(Handler):
         if not isinstance(msg, wire.EncodeRequest):
             return [wire.RequestError(getattr(msg, "request_id", ""), "not an encode message")]
         try:
-            items = items_from_wire(msg.mm_items, frames)
+            items = self.pixels.items(msg.mm_items, frames, msg.cache_evicted)
+        except ProcessorCacheMiss as e:
+            return [cache_miss_error(msg.request_id, e, msg.cache_seq)]
+        except (ValueError, TypeError) as e:
+            return [wire.RequestError(msg.request_id, str(e))]
+        try:
             merge = self.shape.spatial_merge_size
             for it in items:
                 t, h, w = it.grid_thw
@@ -138,12 +145,15 @@ class EncodeWorker(Handler):
         c = self.runner.cache
         s = {"num_requests_waiting": len(self._jobs), "encoder_cache_hits": c.num_hits,
              "encoder_cache_queries": c.num_queries, "encoder_cache_bytes": c.num_bytes,
+             "encoder_cache_usage_bytes": c.num_bytes,
+             "encoder_cache_capacity_bytes": c.capacity_bytes,
              "items_encoded_total": self.runner.num_items_encoded,
-             "embedding_transfer_bytes_total": self.bytes_sent}
+             "embedding_transfer_bytes_total": self.bytes_sent, **self.pixels.stats()}
         s.update(self.histogram.stats("embedding_transfer_seconds"))
         return s
 
     def close(self) -> None:
+        self.pixels.close()
         self.connector.close()
 
 

@@ -117,6 +117,9 @@ class EngineCore:
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         self.eos_token_id = eos_token_id
         self.num_blocks = self._num_kv_blocks()
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.block_bytes = (2 * self.shape.num_layers * config.block_size * self.shape.num_kv_heads
+                            * self.shape.head_dim * elem)  # one block of every layer, K and V
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
@@ -335,6 +338,11 @@ class EngineCore:
             "prefix_cache_queries": self.kv.num_prefix_queries,
             "encoder_cache_hits": self.encoder.cache.num_hits,
             "encoder_cache_queries": self.encoder.cache.num_queries,
+            "encoder_cache_usage_bytes": self.encoder.cache.num_bytes,
+            "encoder_cache_capacity_bytes": self.encoder.cache.capacity_bytes,
+            "prefix_cache_usage_bytes": self.kv.pool.num_cached_blocks * self.block_bytes,
+            "prefix_cache_capacity_bytes": self.num_blocks * self.block_bytes,
+            "num_gpu_blocks": self.num_blocks,
             "failed_steps_total": self.num_failed_steps,
         }
 

@@ -52,6 +52,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     num_threads: int = 1  # torch intra-op threads of this worker
     key_name: str | None = None  # its CURVE key's name (worker_keys); default: pool-index
     remote: bool = False  # on another host than the router (`triptych worker`)
+    shm_ring: str | None = None  # P0's shared-memory processor cache (mm_processor_cache_type=shm)
 
 
 class Handler:
