@@ -35,7 +35,6 @@ class LLM:
         from triptych.api.media import MediaLimits
         from triptych.api.processor import InputProcessor
         from triptych.engine.engine_core import resolve_max_model_len
-
         from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
 
         self.config = EngineConfig.from_kwargs(model=model, **knobs)
@@ -63,6 +62,7 @@ class LLM:
         if in_process and cache_bytes:
             from triptych.mmcache.local import LocalPixels
             self._local_pixels = LocalPixels(cache_bytes, self.processor)
+            self.processor.fill_pixels = self._local_pixels.fill
         elif not in_process:
             from triptych.api.router_thread import RouterThread
             self.pools = RouterThread(self.config, tokenizer, self.processor)
@@ -132,7 +132,7 @@ class LLM:
         try:
             for pp, sp in zip(processed, plist):
                 if self._local_pixels is not None:
-                    self._local_pixels.fill(pp)
+                    self._local_pixels.fill(pp)  # (a ProcessedPrompt made elsewhere)
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, pp.prompt_token_ids, sp, pp.mm_items, pp.prompt_text)
                 ids.append(rid)

@@ -129,6 +129,9 @@ class InputProcessor:
         # NOTE: one counters object, shared with the per-request views of for_request (a
         # shallow copy): counts made through a view land here.
         self.counts = _Counts()
+        # An engine in this process (the offline LLM) sets this: hits then take their
+        # pixels from its store, so every prompt handed out is complete.
+        self.fill_pixels: Any = None
 
     def for_request(self, media: MediaLimits | None = None, check_length: bool = True
                     ) -> InputProcessor:
@@ -423,6 +426,8 @@ class InputProcessor:
         if not p.prompt_token_ids:
             raise ValueError("the prompt is empty")
         self._check_len(len(p.prompt_token_ids))
+        if self.fill_pixels is not None:
+            self.fill_pixels(p)
         return p
 
 
