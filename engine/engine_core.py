@@ -24,6 +24,7 @@ from triptych.encode import EncoderCache, EncoderRunner
 from triptych.engine.kv_cache_manager import KVCacheManager
 from triptych.engine.model_runner import ModelRunner
 from triptych.engine.outputs import EngineCoreOutput
+from triptych.engine.timings import RequestTimings
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler, SchedulerOutput
@@ -138,6 +139,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_steps = 0  # steps whose batch had to be bisected
+        self.timings = RequestTimings()
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d", config.model, self.device, self.dtype, backend,
                     self.num_blocks, config.block_size, self.max_model_len)
@@ -226,6 +228,7 @@ class EngineCore:
         self.last_preempted = sched.preempted_ids
         if sched.empty:
             return []
+        self.timings.on_step(sched)
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
         try:
             sampled, logprobs = self.runner.execute(sched, block_ids)
@@ -277,6 +280,7 @@ class EngineCore:
         return SchedulerOutput(ok, sum(n for _, n in ok)), sampled, logprobs, failed
 
     def _output(self, req: Request, logprobs: dict[int, float] | None) -> EngineCoreOutput:
+        self.timings.on_token(req)
         status = req.status
         reason = status.finish_reason if status.finished else None
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
@@ -344,5 +348,6 @@ class EngineCore:
             "prefix_cache_capacity_bytes": self.num_blocks * self.block_bytes,
             "num_gpu_blocks": self.num_blocks,
             "failed_steps_total": self.num_failed_steps,
+            **self.timings.stats(),
         }
 

@@ -198,3 +198,14 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
     finally:
         s.stop(signal.SIGKILL)
         s.cleanup_descendants()
+
+
+def test_engine_timings_reach_metrics(server, client):
+    """vLLM's engine-side histograms (the worker measures them) are exported."""
+    ask(client, user(text_part("Timing check.")))
+    time.sleep(0.6)
+    for name in ("iteration_tokens_total", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "time_per_prefill_token_request_seconds"):
+        assert server.metric(f"triptych:{name}_count") > 0, name
+    assert server.metric("triptych:request_inference_time_seconds_sum") > 0

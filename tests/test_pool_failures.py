@@ -26,6 +26,7 @@ from server_fixtures import (
     image_part,
     img,
     png,
+    separated_prompt,
     text_part,
     user,
 )
@@ -100,11 +101,13 @@ def restarts(s: ServerProc, pool: str) -> int:
 
 
 def test_a_dead_decode_worker_hands_its_stream_to_the_other(server, client, offline):
-    a = user(image_part(data_url(png(img(11, 56, 84)))), text_part("Tell me a long story."))
+    a, ref_a = separated_prompt(offline, [user(image_part(data_url(png(img(11 + i, 56, 84)))),
+                                               text_part("Tell me a long story."))
+                                          for i in range(12)], 500)
     b = user(text_part("Describe a quiet lake at dawn."))
-    ref_a, ref_b = want(offline, a, 1200), want(offline, b, 300)
+    ref_b = want(offline, b, 300)
     out: dict = {}
-    ta = threading.Thread(target=stream, args=(client, a, 1200, out, "a"))
+    ta = threading.Thread(target=stream, args=(client, a, 500, out, "a"))
     ta.start()
     deadline = time.time() + 120
     while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):

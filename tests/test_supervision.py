@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, _children, alive, text_part, user
+from server_fixtures import ServerProc, _children, alive, separated_prompt, text_part, user
 
 openai = pytest.importorskip("openai")
 
@@ -241,13 +241,13 @@ def test_a_dead_decode_worker_hands_its_stream_to_another(tiny_qwen2_vl, tmp_pat
     stops everything."""
     from triptych import LLM, SamplingParams
 
-    msgs_a = user(text_part("Tell me a long story about a fox."))
-    msgs_b = user(text_part("Describe a quiet lake at dawn."))
-    n_a, n_b = 1200, 300
+    n_a, n_b = 500, 300
     offline = LLM(tiny_qwen2_vl, block_size=4, max_model_len=2048)
-    ref = {k: offline.chat(m, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
-           for k, m, n in (("a", msgs_a, n_a), ("b", msgs_b, n_b))}
+    msgs_a, ref_a = separated_prompt(offline, [
+        user(text_part(f"Tell me a long story about a fox, number {i}.")) for i in range(12)], n_a)
+    msgs_b = user(text_part("Describe a quiet lake at dawn."))
+    ref = {"a": ref_a, "b": offline.chat(msgs_b, SamplingParams(
+        temperature=0, max_tokens=n_b, ignore_eos=True), use_tqdm=False)[0].outputs[0].text}
     del offline
     s = ServerProc(tiny_qwen2_vl, tmp_path / "serve.log", "--block-size", "4",
                    "--max-model-len", "2048", "--data-parallel-size", "2",
