@@ -36,6 +36,8 @@ Build = Callable[[list[wire.WireMMItem], list[str], int], msgspec.Struct]
 def _nbytes(it: MMItem, src: Any) -> int:
     if it.pixel_values is not None:
         return it.pixel_values.numel() * it.pixel_values.element_size()
+    if src is None or src.meta is None:  # a bug upstream: no pixels and no way to make them
+        raise RuntimeError(f"{it.modality} {it.mm_hash[:12]} has neither pixels nor a source")
     return src.meta.nbytes
 
 

@@ -121,9 +121,7 @@ class InputProcessor:
                                                        "do_normalize", "do_convert_rgb")}}
         self.image_hash_kwargs = {**common, "size": dict(ip.size)}
         self.video_hash_kwargs = {**common, "pixels": [self.video_min_pixels, self.video_max_pixels]}
-        # Keys of encoded video bytes also cover how frames are sampled from the file.
-        self._video_bytes_kwargs = {**self.video_hash_kwargs, "fps": self.media.video_fps,
-                                    "max_frames": self.media.max_video_frames}
+
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
         self.cache = cache
         # NOTE: one counters object, shared with the per-request views of for_request (a
@@ -142,6 +140,12 @@ class InputProcessor:
         view.media = media or self.media
         view.max_model_len = self.max_model_len if check_length else None
         return view
+
+    def _video_bytes_kwargs(self) -> dict[str, Any]:
+        """Keys of encoded video bytes also cover how frames are sampled from the file,
+        read from this view's media limits (a request may lower the frame count)."""
+        return {**self.video_hash_kwargs, "fps": self.media.video_fps,
+                "max_frames": self.media.max_video_frames}
 
     # -- entry points ---------------------------------------------------------------------
     def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -289,7 +293,7 @@ class InputProcessor:
     def _content_key(self, kind: str, payload: Payload, kwargs: dict[str, Any]) -> str:
         if isinstance(payload, bytes):
             return hash_media_bytes(kind, payload,
-                                    kwargs if kind == "image" else self._video_bytes_kwargs)
+                                    kwargs if kind == "image" else self._video_bytes_kwargs())
         if isinstance(payload, Image.Image):
             return hash_image(payload, kwargs)
         assert isinstance(payload, tuple)

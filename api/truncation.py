@@ -26,8 +26,9 @@ def truncate(prompt: ProcessedPrompt, keep: int, side: str) -> ProcessedPrompt:
     if keep >= n:
         return prompt
     start, end = (n - keep, n) if side == "left" else (0, keep)
-    items = []
-    for i, it in enumerate(prompt.mm_items):
+    items, sources = [], []
+    srcs = prompt.mm_sources or [None] * len(prompt.mm_items)
+    for i, (it, src) in enumerate(zip(prompt.mm_items, srcs)):
         if it.end <= start or it.offset >= end:
             continue  # wholly cut off: dropped with its pixels
         if it.offset < start or it.end > end:
@@ -37,7 +38,8 @@ def truncate(prompt: ProcessedPrompt, keep: int, side: str) -> ProcessedPrompt:
                 f"{it.offset} to {it.end - 1}); keep all of its tokens or none"))
         # NOTE: a new item, never the processor's: items may be shared by a cache.
         items.append(dataclasses.replace(it, offset=it.offset - start))
-    return ProcessedPrompt(ids[start:end], items, None)
+        sources.append(src)  # (a processor-cache hit makes its pixels from it)
+    return ProcessedPrompt(ids[start:end], items, None, sources if prompt.mm_sources else [])
 
 
 __all__ = ["keep_count", "truncate"]
