@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from triptych.connector.segments import pid_alive
 from triptych.engine.threads import thread_env
 from triptych.engine.worker_loop import WorkerSpec
 
@@ -74,23 +75,13 @@ class Worker:
         return self.proc.pid if self.proc else self.info.get("pid")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(tmp: str | None = None) -> list[str]:
     """Remove run dirs of servers that are no longer running (killed with -9)."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     for name in os.listdir(tmp):
         m = _RUN_DIR_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
             removed.append(name)
     return removed

@@ -25,8 +25,7 @@ from triptych.engine import wire
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
-from triptych.mmcache.consumer import WorkerPixels, cache_miss_error, items_from_wire
-from triptych.mmcache.lru import ProcessorCacheMiss
+from triptych.mmcache.consumer import WorkerPixels, items_from_wire
 
 logger = logging.getLogger("triptych.decode")
 
@@ -67,11 +66,8 @@ class DecodeWorker(Handler):
             return []
         try:
             if isinstance(msg, wire.AddRequest):
-                try:
-                    items = self.pixels.items(msg.mm_items, frames, msg.cache_evicted)
-                except ProcessorCacheMiss as e:
-                    return [cache_miss_error(msg.request_id, e, msg.cache_seq)]
-                return self._add(msg, items)
+                items = self.pixels.items_of(msg, frames)
+                return [items] if isinstance(items, wire.RequestError) else self._add(msg, items)
             if isinstance(msg, wire.ReserveKV) and self.pooled:
                 if any(it.pixels is not None for it in msg.mm_items):
                     raise ValueError("a KV reservation carries no pixels")

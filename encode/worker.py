@@ -27,8 +27,7 @@ from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtyp
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
-from triptych.mmcache.consumer import WorkerPixels, cache_miss_error
-from triptych.mmcache.lru import ProcessorCacheMiss
+from triptych.mmcache.consumer import WorkerPixels
 
 logger = logging.getLogger("triptych.encode")
 
@@ -72,12 +71,9 @@ class EncodeWorker(Handler):
             return []
         if not isinstance(msg, wire.EncodeRequest):
             return [wire.RequestError(getattr(msg, "request_id", ""), "not an encode message")]
-        try:
-            items = self.pixels.items(msg.mm_items, frames, msg.cache_evicted)
-        except ProcessorCacheMiss as e:
-            return [cache_miss_error(msg.request_id, e, msg.cache_seq)]
-        except (ValueError, TypeError) as e:
-            return [wire.RequestError(msg.request_id, str(e))]
+        items = self.pixels.items_of(msg, frames)
+        if isinstance(items, wire.RequestError):
+            return [items]
         try:
             merge = self.shape.spatial_merge_size
             for it in items:

@@ -17,6 +17,8 @@ they are viewed.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from triptych.engine import wire
 from triptych.engine.request import MMItem
@@ -93,6 +95,16 @@ class WorkerPixels:
                       for p, it in zip(pixels, items)]
         return [MMItem(it.modality, it.mm_hash, it.offset, it.length, tuple(it.grid_thw), pv,
                        it.second_per_grid_t) for it, pv in zip(items, pixels)]
+
+    def items_of(self, msg: Any, frames: list[bytes]) -> list[MMItem] | wire.RequestError:
+        """The items of an AddRequest / EncodeRequest, or the error that refuses it (a cache
+        miss is retryable: P0 sends the pixels again)."""
+        try:
+            return self.items(msg.mm_items, frames, msg.cache_evicted)
+        except ProcessorCacheMiss as e:
+            return cache_miss_error(msg.request_id, e, msg.cache_seq)
+        except (ValueError, TypeError) as e:
+            return wire.RequestError(msg.request_id, str(e))
 
     def _read_ring(self, it: wire.WireMMItem) -> torch.Tensor:
         if self.ring_name is None or it.shm is None:

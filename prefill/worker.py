@@ -22,8 +22,7 @@ from triptych.engine import wire
 from triptych.engine.data_endpoint import data_endpoint
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
-from triptych.mmcache.consumer import WorkerPixels, cache_miss_error
-from triptych.mmcache.lru import ProcessorCacheMiss
+from triptych.mmcache.consumer import WorkerPixels
 from triptych.prefill.inbox import EmbeddingInbox
 from triptych.prefill.kv_sender import KVSender
 
@@ -55,12 +54,9 @@ class PrefillWorker(Handler):
             return []
         if not isinstance(msg, wire.AddRequest):
             return [wire.RequestError(getattr(msg, "request_id", ""), "not a prefill message")]
-        try:
-            items = self.pixels.items(msg.mm_items, frames, msg.cache_evicted)
-        except ProcessorCacheMiss as e:
-            return [cache_miss_error(msg.request_id, e, msg.cache_seq)]
-        except (ValueError, TypeError) as e:
-            return [wire.RequestError(msg.request_id, str(e))]
+        items = self.pixels.items_of(msg, frames)
+        if isinstance(items, wire.RequestError):
+            return [items]
         try:
             if msg.kv_dest is None:
                 raise ValueError("a prefill worker needs a KV destination")
