@@ -30,8 +30,7 @@ class StepProfiler:
         self._undo: list[tuple[Any, str]] = []
         self._wrap(engine.scheduler, "schedule", "schedule", self._classify)
         self._wrap(engine.scheduler, "update_from_output", "update")
-        self._wrap(engine.outputs, "on_tokens", "outputs")
-        self._wrap(engine.outputs, "collect", "outputs")
+        self._wrap(engine.outputs, "process", "outputs")  # text, stop strings (P0's half)
         self._wrap(engine, "step", "step")
 
     def _classify(self, sched: Any) -> None:

@@ -51,6 +51,7 @@ class LLMEngine:
     kv = property(lambda self: self.core.kv)
     scheduler = property(lambda self: self.core.scheduler)
     runner = property(lambda self: self.core.runner)
+    model = property(lambda self: self.core.model)
     encoder = property(lambda self: self.core.encoder)
     shape = property(lambda self: self.core.shape)
     max_model_len = property(lambda self: self.core.max_model_len)
