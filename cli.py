@@ -57,6 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
         hint = hints[f.name]
         if hint is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
+        elif f.name == "tensor_parallel_size":
+            g.add_argument(flag, "-tp", type=int, default=default, help=h)
         elif hint is int:
             g.add_argument(flag, type=int, default=default, help=h)
         elif hint is float:
@@ -64,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
         elif f.name == "limit_mm_per_prompt":
             g.add_argument(flag, type=str, default=None,
                            help=h + ". JSON, e.g. '{\"image\": 4, \"video\": 1}'")
-        elif f.name in ("max_model_len", "num_kv_blocks", "cpu_threads"):
+        elif f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
+                f.name.endswith("_tensor_parallel_size"):
             g.add_argument(flag, type=int, default=default, help=h)
         else:
             g.add_argument(flag, type=str, default=default, help=h)

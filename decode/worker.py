@@ -207,6 +207,7 @@ class DecodeWorker(Handler):
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        self.core.close()
 
 
 if __name__ == "__main__":

@@ -72,9 +72,9 @@ def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
     hint = ""
     if any(b.startswith("vision") for b in bad):
         hint = "; or mm_encoder_tp_mode=data, which keeps the vision tower whole"
-    raise ValueError(f"tensor_parallel_size={size} does not divide {', '.join(bad)} "
-                     f"(each must be a multiple of it; KV heads may also divide it); "
-                     f"sizes that work: {', '.join(map(str, works))}{hint}")
+    raise ValueError(f"tensor_parallel_size={size} must divide {', '.join(bad)} (KV heads "
+                     f"may instead divide it); sizes that work: {', '.join(map(str, works))}"
+                     f"{hint}")
 
 
 def resolve_encoder_mode(model_cls: type, requested: str, size: int) -> str:

@@ -125,6 +125,7 @@ class PrefillWorker(Handler):
 
     def close(self) -> None:
         self.connector.close()
+        self.core.close()
 
 
 if __name__ == "__main__":
