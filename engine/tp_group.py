@@ -79,7 +79,7 @@ class TPGroup:
                  device: torch.device, num_threads: int | None = None) -> None:
         self.size, self.role, self.encoder_mode = size, role, encoder_mode
         self.broken: str | None = None
-        self._closing = False
+        self._closing = self._raised = False
         self.procs: list[subprocess.Popen] = []
         self.run_dir = tempfile.mkdtemp(prefix=f"triptych-{os.getpid()}-ipc-tp-")
         self._zmq = zmq.Context()
@@ -150,7 +150,7 @@ class TPGroup:
             try:
                 self._raise_if_dead()
             except TPGroupError as e:
-                if self._closing:
+                if self._closing or self.broken:  # closing, or the main thread knows
                     return
                 self.broken = str(e)
                 logger.error("%s: the group stops", e)
@@ -160,10 +160,15 @@ class TPGroup:
             time.sleep(WATCH_INTERVAL_S)
 
     def _on_rank_death(self, signum: int, frame: Any) -> None:
-        if self._closing:
+        if self._closing or self._raised:  # already failing: let that error unwind
             return
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # one is enough
+        self._raised = True
         raise TPGroupError(self.broken or "a tensor-parallel rank died")
+
+    def mark_broken(self, reason: str) -> None:
+        """The main thread saw the group fail (and raises TPGroupError itself)."""
+        self.broken = self.broken or reason
+        self._raised = True
 
     def check(self) -> None:
         """Raise if a rank is known dead (cheap: set by the watcher)."""

@@ -34,10 +34,10 @@ def collective(group: TPGroup, what: str) -> Iterator[None]:
     try:
         yield
     except TPGroupError as e:
-        group.broken = group.broken or str(e)
+        group.mark_broken(str(e))
         raise
     except Exception as e:
-        group.broken = f"{what} failed inside the tensor-parallel group: {e}"
+        group.mark_broken(f"{what} failed inside the tensor-parallel group: {e}")
         raise TPGroupError(group.broken) from e
 
 
