@@ -45,7 +45,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
-    tensor_parallel_size: int = 1  # processes (one per GPU) that share each worker's layers: every worker becomes a group of this many ranks (-tp)
+    tensor_parallel_size: int = 1  # processes (one per GPU) sharing each worker's layers: every worker becomes a group of this many ranks
     data_parallel_size: int = 1  # colocated engine replicas (worker processes) behind one router
     encode_workers: int = 0  # encode pool size (vision tower); 0: the prefill (or decode) workers encode
     prefill_workers: int = 0  # prefill pool size; 0 with decode_workers > 0: decode workers prefill too (E+PD)

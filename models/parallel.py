@@ -25,9 +25,12 @@ logger = logging.getLogger("triptych.tp")
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-class TPGroupError(RuntimeError):
+class TPGroupError(Exception):
     """The group cannot be trusted any more (a rank died, a collective failed or timed out):
-    the worker must stop so the supervisor restarts the whole group."""
+    the worker must stop so the supervisor restarts the whole group.
+
+    NOTE: not a RuntimeError, which callers catch to retry a request alone (the encode
+    worker does): retrying on a broken group would keep a useless worker alive."""
 
 
 @dataclass
