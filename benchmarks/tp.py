@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -109,7 +110,8 @@ def machine() -> str:
             model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> int:
@@ -119,6 +121,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed vision-tower calls per setting")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per setting")
     ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every setting, alternating (medians reported)")
     args = ap.parse_args()
     from triptych.engine.threads import apply_thread_policy
     from triptych.models.demo import BENCH_FLAGS, tiny_checkpoint
@@ -126,16 +130,20 @@ def main() -> int:
     apply_thread_policy(None)
     model_dir = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)
     print(f"machine: {machine()}\nmodel: {model_dir}", flush=True)
-    res: dict[str, Any] = {"vision_images_per_s": encoder_figures(model_dir, args.tp, args.reps)}
-    print(json.dumps(res, indent=1), flush=True)
     share = max(1, torch.get_num_threads() // args.tp)
-    res["decode_step_ms"] = {}
-    for b in map(int, args.batches.split(",")):
-        for name, tp, threads in (("tp1", 1, None), ("tp1_one_rank_share", 1, share),
-                                  (f"tp{args.tp}", args.tp, None)):
-            res["decode_step_ms"][f"{name}_batch{b}"] = decode_step_ms(model_dir, tp, b,
-                                                                       args.steps, threads)
-    print(json.dumps(res, indent=1))
+    rounds: dict[str, dict[str, list[float]]] = {"vision_images_per_s": {}, "decode_step_ms": {}}
+    for r in range(args.rounds):
+        for k, v in encoder_figures(model_dir, args.tp, args.reps).items():
+            rounds["vision_images_per_s"].setdefault(k, []).append(v)
+        for b in map(int, args.batches.split(",")):
+            for name, tp, threads in (("tp1", 1, None), ("tp1_one_rank_share", 1, share),
+                                      (f"tp{args.tp}", args.tp, None)):
+                rounds["decode_step_ms"].setdefault(f"{name}_batch{b}", []).append(
+                    decode_step_ms(model_dir, tp, b, args.steps, threads))
+        print(f"round {r + 1}: {json.dumps(rounds)}", flush=True)
+    res = {kind: {k: round(statistics.median(v), 2) for k, v in d.items()}
+           for kind, d in rounds.items()}
+    print(json.dumps({"machine": machine(), "median_of_rounds": res}, indent=1))
     return 0
 
 
