@@ -1,4 +1,4 @@
-"""`triptych bench throughput | serve`.
+"""`triptych bench throughput | serve | multiturn`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
 transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
@@ -61,17 +61,18 @@ def add_parser(subparsers: Any) -> None:
                    help="run a CPU-spinning process during the rounds (a noisy neighbour)")
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
-    try:
-        from triptych import bench_serve
-        bench_serve.add_parser(sub)
-    except ImportError:
-        pass
+    from triptych import bench_multiturn, bench_serve
+    bench_serve.add_parser(sub)
+    bench_multiturn.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         from triptych import bench_serve
         return bench_serve.run(args)
+    if args.bench_command == "multiturn":
+        from triptych import bench_multiturn
+        return bench_multiturn.run(args)
     return run_throughput(args)
 
 

@@ -88,11 +88,10 @@ def _metrics(base: str) -> dict[str, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {}  # every sample of a name summed (over pools)
     for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
         for s in fam.samples:
-            if not s.labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
+            out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
+
+_COMMANDS = ("Type a message and press Enter. '/image PATH' attaches an image to your next "
+             "message; '/reset' starts a new conversation; Ctrl-D quits.")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -10,40 +14,61 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "chat", help="interactive multi-turn chat in the terminal",
-        description="Interactive chat. Type a message; '/image PATH' attaches an image to the "
-                    "next message; '/reset' starts over; Ctrl-D quits.")
-    add_engine_args(p, model_required=False)
+        description="Interactive chat with a checkpoint. " + _COMMANDS + " Without --model "
+                    "it falls back to the tiny random demo checkpoint (built on first use; "
+                    "its answers are gibberish).")
+    add_engine_args(p, model_required=False, model_help=(
+        "checkpoint directory or Hugging Face hub id (if unset: the tiny random demo "
+        "checkpoint)"))
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    # Engine stats lines every 10 s would land in the middle of answers.
+    p.set_defaults(disable_log_stats=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from triptych.cli import engine_config_from_args
+    from triptych.cli import engine_config_from_args, resolve_model
     from triptych.engine.sampling_params import SamplingParams
     from triptych.llm import LLM
     from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
 
-    model = args.model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+    model = resolve_model(args.model) if args.model else None
+    if model is None:
+        print("no --model given: using the tiny random demo checkpoint (its answers are "
+              "gibberish)")
+        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
     cfg = engine_config_from_args(args, model=model,
                                   allowed_local_media_path=args.allowed_local_media_path or os.getcwd())
     kw = {k: getattr(cfg, k) for k in cfg.field_names() if k != "model"}
     llm = LLM(model, **kw)
+    # From here on only answers and errors reach the terminal: log lines (engine stats,
+    # warnings from libraries) would interleave with them.
+    logging.getLogger().setLevel(logging.ERROR)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     history: list[dict] = []
     pending: list[dict] = []
+    print(_COMMANDS)
     while True:
         try:
             line = input("you> ").strip()
         except EOFError:
+            print()
             return 0
-        if line.startswith("/image "):
-            path = os.path.abspath(line[7:].strip())
+        if line.startswith("/image"):
+            path = os.path.abspath(os.path.expanduser(line[6:].strip()))
+            if not os.path.isfile(path):
+                print(f"no such file: {path}")
+                continue
             pending.append({"type": "image_url", "image_url": {"url": "file://" + path}})
+            print(f"attached {path} ({len(pending)} image(s) go with your next message)")
             continue
         if line == "/reset":
             history, pending = [], []
+            print("(new conversation)")
+            continue
+        if not line and not pending:
             continue
         history.append({"role": "user", "content": pending + [{"type": "text", "text": line}]})
         pending = []

@@ -1,17 +1,21 @@
 """`triptych` command line: serve | chat | make-tiny | bench.
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and
-``run(args)``; they are imported lazily so `triptych --help` stays fast.
+``run(args)``; they are imported lazily so `triptych --help` stays fast. Every subcommand's
+``--help`` shows each default once (``HelpFormatter``).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
+import json
 import logging
+import os
+import re
 import sys
 import typing
-from typing import Any
+from typing import Any, NoReturn
 
 from triptych.config import EngineConfig
 
@@ -26,6 +30,87 @@ SUBCOMMANDS = {
 }
 
 _HELP_SKIP = {"model"}
+# EngineConfig field -> (vLLM's flag, our older spelling kept as an alias)
+FLAG_SPELLINGS = {
+    "num_kv_blocks": ("--num-gpu-blocks-override", "--num-kv-blocks"),
+    "kv_cache_memory": ("--kv-cache-memory", "--kv-cache-memory-bytes"),
+    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` once: not when the help already says its default, nor for
+    required options, switches, or options without a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or "(default" in text or action.required
+                or action.default is None or action.default == argparse.SUPPRESS
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._StoreConstAction, argparse._HelpAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every subcommand's parser: HelpFormatter also replaces argparse's
+    ArgumentDefaultsHelpFormatter, which repeats defaults that the help already states."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("formatter_class") in (None, argparse.ArgumentDefaultsHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2 (argparse's convention), no traceback."""
+    print(f"triptych: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory for ``--model``: the directory itself, or, for a hub id such as
+    ``Qwen/Qwen2-VL-2B-Instruct``, its copy in the Hugging Face cache (downloaded first when
+    the hub can be reached, as vLLM does). Anything else fails in one line, before any
+    process starts."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            fail(f"--model {model}: the directory has no config.json (not a Hugging Face "
+                 "checkpoint directory)")
+        return path
+    if os.path.exists(path):
+        fail(f"--model {model}: is a file; give the checkpoint's directory")
+    if not _HUB_ID.match(model):
+        fail(f"--model {model}: no such directory")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        fail(f"--model {model}: no such directory (and huggingface_hub is not installed to "
+             "fetch it from the hub)")
+    try:  # already in the cache: no network
+        return snapshot_download(model, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    hint = (f"download it where the hub is reachable (`hf download {model}`), then pass "
+            "--model /path/to/the/directory or copy the Hugging Face cache here")
+    if offline:
+        fail(f"--model {model}: no such directory, and it is not in the Hugging Face cache "
+             f"(HF_HUB_OFFLINE is set): {hint}")
+    logging.getLogger("triptych").info("downloading %s from the Hugging Face hub", model)
+    try:
+        return snapshot_download(model, allow_patterns=[
+            "*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - every hub failure becomes one line
+        name = type(e).__name__
+        if "NotFound" in name or "Gated" in name:
+            fail(f"--model {model}: no such directory, and the Hugging Face hub has no such "
+                 "model (or it needs a login: set HF_TOKEN)")
+        fail(f"--model {model}: no such directory, and the Hugging Face hub cannot be "
+             f"reached ({name}): {hint}")
 
 
 def _field_help() -> dict[str, str]:
@@ -41,36 +126,37 @@ def _field_help() -> dict[str, str]:
     return out
 
 
-def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """Every EngineConfig knob as --kebab-case, defaults read from the dataclass."""
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
+                    model_help: str | None = None) -> None:
+    """Every EngineConfig knob as --kebab-case (vLLM's spelling), defaults read from the
+    dataclass."""
     helps = _field_help()
     hints = typing.get_type_hints(EngineConfig)
     g = p.add_argument_group("engine")
-    g.add_argument("--model", required=model_required, default=None,
-                   help="checkpoint directory (HF format: config.json, *.safetensors, tokenizer)")
+    g.add_argument("--model", required=model_required, default=None, help=model_help or (
+        "checkpoint directory (HF format: config.json, *.safetensors, tokenizer) or a "
+        "Hugging Face hub id such as Qwen/Qwen2-VL-2B-Instruct (downloaded to the HF cache)"))
     for f in dataclasses.fields(EngineConfig):
         if f.name in _HELP_SKIP:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = "--" + f.name.replace("_", "-")
-        h = f"{helps.get(f.name, '')} (default: {default})"
+        flags = FLAG_SPELLINGS.get(f.name, ("--" + f.name.replace("_", "-"),))
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helps.get(f.name, "")}
         hint = hints[f.name]
         if hint is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
-        elif f.name == "tensor_parallel_size":
-            g.add_argument(flag, "-tp", type=int, default=default, help=h)
-        elif hint is int:
-            g.add_argument(flag, type=int, default=default, help=h)
-        elif hint is float:
-            g.add_argument(flag, type=float, default=default, help=h)
-        elif f.name == "limit_mm_per_prompt":
-            g.add_argument(flag, type=str, default=None,
-                           help=h + ". JSON, e.g. '{\"image\": 4, \"video\": 1}'")
-        elif f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
+            g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+        elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
                 f.name.endswith("_tensor_parallel_size"):
-            g.add_argument(flag, type=int, default=default, help=h)
+            g.add_argument(*flags, type=int, **kw)
+        elif hint is float:
+            g.add_argument(*flags, type=float, **kw)
+        elif f.name == "limit_mm_per_prompt":
+            kw["default"] = None
+            kw["help"] += f"; JSON, e.g. '{{\"image\": 4, \"video\": 1}}' (default: " \
+                          f"{json.dumps(default)})"
+            g.add_argument(*flags, type=str, **kw)
         else:
-            g.add_argument(flag, type=str, default=default, help=h)
+            g.add_argument(*flags, type=str, **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace, **override: Any) -> EngineConfig:
@@ -78,7 +164,10 @@ def engine_config_from_args(args: argparse.Namespace, **override: Any) -> Engine
     if kw.get("limit_mm_per_prompt") is None:
         kw.pop("limit_mm_per_prompt", None)
     kw.update(override)
-    return EngineConfig(**kw)
+    try:
+        return EngineConfig(**kw)
+    except (ValueError, TypeError) as e:
+        fail(str(e))
 
 
 def _early_cpu_threads(argv: list[str]) -> int | None:
@@ -100,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="triptych", description="triptych: a multimodal-first LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     modules = {}
     for name, (modname, help_text) in SUBCOMMANDS.items():
         # Only the chosen subcommand's module is imported (others just list a stub).

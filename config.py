@@ -27,6 +27,10 @@ def parse_size(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# vLLM's name -> ours, where they differ (the CLI takes both spellings too, see cli.py)
+ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine. Field comments are the --help text of the CLI."""
@@ -42,7 +46,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV cache block
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use (weights + KV)
     kv_cache_memory: int | str = "1GiB"  # CPU: bytes of KV cache ('2GiB', '512MiB')
-    num_kv_blocks: int | None = None  # override the computed number of KV blocks (testing, tight memory)
+    num_kv_blocks: int | None = None  # override the computed number of KV blocks (vLLM: num_gpu_blocks_override; testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
     tensor_parallel_size: int = 1  # processes (one per GPU) sharing each worker's layers: every worker becomes a group of this many ranks
@@ -142,6 +146,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        for alias, name in ALIASES.items():  # vLLM's spellings
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {name} or {alias}, not both")
+                kwargs[name] = kwargs.pop(alias)
         unknown = set(kwargs) - set(cls.field_names())
         if unknown:
             raise TypeError(f"unknown engine option(s): {sorted(unknown)}")

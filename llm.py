@@ -35,28 +35,37 @@ class LLM:
         from triptych.api.media import MediaLimits
         from triptych.api.processor import InputProcessor
         from triptych.engine.engine_core import resolve_max_model_len
+        from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
 
         self.config = EngineConfig.from_kwargs(model=model, **knobs)
         self.layout = Layout.from_config(self.config)
         self.engine: LLMEngine | None = None
         self.pools = None  # RouterThread when the work runs in worker processes
-        if self.layout.in_process:
+        self._local_pixels = None  # the processor cache of the in-process engine
+        in_process = self.layout.in_process
+        if in_process:
             self.engine = LLMEngine(self.config)
             tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
         else:
-            from triptych.api.router_thread import RouterThread
-
             tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model,
                                                       local_files_only=True)
             hf = AutoConfig.from_pretrained(model, local_files_only=True)
             max_len = resolve_max_model_len(
                 self.config, getattr(hf, "text_config", hf).max_position_embeddings)
-            self.pools = RouterThread(self.config, tokenizer)
         self.tokenizer = tokenizer
+        cache_bytes = processor_cache_bytes(self.config.mm_processor_cache_gb)
         self.processor = InputProcessor(
             model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
             media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
-            max_model_len=max_len, tokenizer=tokenizer)
+            max_model_len=max_len, tokenizer=tokenizer,
+            cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+        if in_process and cache_bytes:
+            from triptych.mmcache.local import LocalPixels
+            self._local_pixels = LocalPixels(cache_bytes, self.processor)
+            self.processor.fill_pixels = self._local_pixels.fill
+        elif not in_process:
+            from triptych.api.router_thread import RouterThread
+            self.pools = RouterThread(self.config, tokenizer, self.processor)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -83,11 +92,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Answer one conversation (a list of OpenAI-style messages) or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or a list of them.
+        ``continue_final_message`` continues the last message instead of starting a new
+        one (vLLM's parameters; pass ``add_generation_prompt=False`` with it)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         processed = [self._process(i, lambda c=c: self.processor.process_chat(
-            c, add_generation_prompt=add_generation_prompt)) for i, c in enumerate(convs)]
+            c, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)) for i, c in enumerate(convs)]
         return self._run(processed, sampling_params, use_tqdm)
 
     @staticmethod
@@ -116,6 +131,8 @@ class LLM:
         ids = []
         try:
             for pp, sp in zip(processed, plist):
+                if self._local_pixels is not None:
+                    self._local_pixels.fill(pp)  # (a ProcessedPrompt made elsewhere)
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, pp.prompt_token_ids, sp, pp.mm_items, pp.prompt_text)
                 ids.append(rid)

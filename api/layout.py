@@ -53,6 +53,13 @@ class Layout:
         return "prefill" in self.pools
 
     @property
+    def pixel_pool(self) -> str:
+        """The pool whose workers run the vision tower (and so receive pixels)."""
+        if self.has_encode_pool:
+            return "encode"
+        return "prefill" if self.has_prefill_pool else self.main_pool
+
+    @property
     def num_workers(self) -> int:
         return sum(self.pools.values())
 

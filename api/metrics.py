@@ -1,83 +1,139 @@
-"""Prometheus metrics (prefix ``triptych:``): engine gauges and counters read from the
-engine process's stats on each scrape, latency histograms measured in P0."""
+"""Prometheus metrics (vLLM's names with the ``triptych:`` prefix, so dashboards built for
+vLLM work after a prefix rename). Engine gauges and counters come from the engine client's
+stats on each scrape (api/engine_metrics.py); what the API process sees of each request
+(latencies, token counts, finish reasons, request parameters) is measured here.
+
+Per request: ``request_params_n`` / ``request_params_max_tokens`` /
+``request_max_num_generation_tokens`` when it is submitted, then per completion
+(``n`` per prompt, as vLLM counts child requests) its finish reason, output tokens and
+latencies, and per engine request (prompt) its prompt tokens and cache accounting.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from triptych.api.engine_metrics import EngineCollector
 
-_GAUGES = {
-    "num_requests_running": "Requests in the engine's running set",
-    "num_requests_waiting": "Requests queued in the engine",
-    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0-1)",
-}
-_COUNTERS = {  # name (without _total) -> (stats key, help)
-    "num_preemptions": ("num_preemptions_total", "Requests preempted (recomputed) for KV space"),
-    "prompt_tokens": ("prompt_tokens_total", "Prompt tokens admitted"),
-    "generation_tokens": ("generation_tokens_total", "Tokens generated"),
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-    "encoder_cache_queries": ("encoder_cache_queries", "Images/videos looked up in the encoder cache"),
-    "encoder_cache_hits": ("encoder_cache_hits", "Images/videos found in the encoder cache"),
-    "worker_restarts": ("worker_restarts_total", "Worker processes restarted by the supervisor"),
-    "request_migrations": ("request_migrations_total",
-                           "Requests moved to another worker after theirs died"),
-}
-_OPTIONAL_COUNTERS = {  # exported once the engine reports them (the disaggregated pools)
-    "kv_transfer_bytes": ("kv_transfer_bytes_total", "KV cache bytes moved between pools"),
-}
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class _EngineCollector:
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
-        self.stats = stats
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
-    def collect(self) -> Iterable[Metric]:
-        s = self.stats()
-        for name, doc in _GAUGES.items():
-            g = GaugeMetricFamily(f"triptych:{name}", doc)
-            g.add_metric([], float(s.get(name, 0.0)))
-            yield g
-        optional = {k: v for k, v in _OPTIONAL_COUNTERS.items() if v[0] in s}
-        for name, (key, doc) in {**_COUNTERS, **optional}.items():
-            c = CounterMetricFamily(f"triptych:{name}", doc)
-            c.add_metric([], float(s.get(key, 0.0)))
-            yield c
-        # Per pool (router stats keys "pool/<name>/<key>"), labelled like vLLM's engine label.
-        pools = sorted({k.split("/")[1] for k in s if k.startswith("pool/")})
-        for name, doc in {**_GAUGES, "workers_live": "Live workers in the pool"}.items():
-            g = GaugeMetricFamily(f"triptych:pool_{name}", f"{doc}, per pool", labels=["pool"])
-            for pool in pools:
-                g.add_metric([pool], float(s.get(f"pool/{pool}/{name}", 0.0)))
-            yield g
+
+class RequestTimes:
+    """Arrival, first token and the last token of each completion of one engine request."""
+
+    def __init__(self, arrival: float, n: int) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last = [0.0] * n
+        self.tokens = [0] * n
+        self.finished = [False] * n
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
-        self.ttft = Histogram("triptych:time_to_first_token_seconds", "Time to first token",
-                              buckets=_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("triptych:time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request",
-                              buckets=_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("triptych:e2e_request_latency_seconds", "Request latency",
-                             buckets=_BUCKETS, registry=self.registry)
-        self.requests = Counter("triptych:request_success", "Finished requests by reason",
-                                ["finished_reason"], registry=self.registry)
-        self.mm_cache_queries = Counter("triptych:mm_processor_cache_queries",
-                                        "Images/videos processed in P0", registry=self.registry)
-        self.mm_cache_hits = Counter("triptych:mm_processor_cache_hits",
-                                     "Processor cache hits in P0 (no cache yet: stays 0)",
-                                     registry=self.registry)
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str = "",
+                 max_model_len: int = 8192, cache_info: dict[str, str] | None = None,
+                 mm_items: Callable[[], int] = lambda: 0) -> None:
+        self.registry = r = CollectorRegistry()
+        self.mm_items = mm_items  # images/videos P0 processed (the processor cache's queries)
+        r.register(EngineCollector(stats, model_name, self._local, cache_info or {}))
+        lab, self._values = ["model_name", "engine"], [model_name, "0"]
+        tokens = buckets_1_2_5(max_model_len)
 
-    def observe_request(self, arrival: float, first_token: float | None, end: float,
-                        num_output_tokens: int, reason: str | None) -> None:
-        if first_token is not None:
-            self.ttft.observe(first_token - arrival)
-            if num_output_tokens > 1:
-                self.tpot.observe((end - first_token) / (num_output_tokens - 1))
-        self.e2e.observe(end - arrival)
-        self.requests.labels(reason or "unknown").inc()
+        def hist(name: str, doc: str, buckets: tuple | list) -> Histogram:
+            return Histogram(f"triptych:{name}", doc, lab, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two outputs of a "
+                                                       "completion", ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after "
+                                                          "the first (DEPRECATED alias of "
+                                                          "request_time_per_output_token_"
+                                                          "seconds)", ITL_BUCKETS)
+        self.req_tpot = hist("request_time_per_output_token_seconds",
+                             "Mean time per output token after the first, per request",
+                             ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request", tokens)
+        self.gen_tokens = hist("request_generation_tokens", "Output tokens per request", tokens)
+        self.kv_computed = hist("request_prefill_kv_computed_tokens", "Prompt tokens computed "
+                                                                      "(not cached)", tokens)
+        self.params_n = hist("request_params_n", "The n request parameter", [1, 2, 5, 10, 20])
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens request "
+                                                                   "parameter", tokens)
+        self.max_gen_tokens = hist("request_max_num_generation_tokens",
+                                   "Most output tokens a request may produce", tokens)
+        self.success = Counter("triptych:request_success", "Finished requests by reason",
+                               lab + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # present from the start, as vLLM's
+            self.success.labels(*self._values, reason)
+        self.cached = Counter("triptych:prompt_tokens_cached", "Prompt tokens served from the "
+                                                               "prefix cache", lab, registry=r)
+        self.by_source = Counter("triptych:prompt_tokens_by_source", "Prompt tokens by source",
+                                 lab + ["source"], registry=r)
+
+    def _local(self) -> dict[str, float]:
+        return {"mm_processor_cache_queries": float(self.mm_items()),
+                "mm_processor_cache_hits": 0.0}
+
+    def _v(self, h: Histogram) -> Histogram:
+        return h.labels(*self._values)
+
+    def request_submitted(self, n: int, max_tokens: int | None, max_gen: int) -> None:
+        self._v(self.params_n).observe(n)
+        if max_tokens is not None:
+            self._v(self.params_max_tokens).observe(max_tokens)
+        self._v(self.max_gen_tokens).observe(max_gen)
+
+    def tokens_arrived(self, t: RequestTimes, index: int, count: int) -> None:
+        """``count`` tokens of completion ``index`` arrived now."""
+        now = time.monotonic()
+        if t.first is None:
+            t.first = now
+            self._v(self.ttft).observe(now - t.arrival)
+        elif t.tokens[index]:
+            self._v(self.itl).observe(now - t.last[index])
+        t.last[index] = now
+        t.tokens[index] += count
+
+    def completion_finished(self, t: RequestTimes, index: int, reason: str | None) -> None:
+        if t.finished[index]:
+            return
+        t.finished[index] = True
+        now = time.monotonic()
+        self.success.labels(*self._values, reason or "abort").inc()
+        self._v(self.gen_tokens).observe(t.tokens[index])
+        self._v(self.e2e).observe(now - t.arrival)
+        if t.first is not None and t.tokens[index] > 1:
+            tpot = (t.last[index] - t.first) / (t.tokens[index] - 1)
+            self._v(self.tpot).observe(tpot)
+            self._v(self.req_tpot).observe(tpot)
+
+    def prompt_seen(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Once per engine request, when its first output arrives."""
+        self._v(self.prompt_tokens).observe(num_prompt_tokens)
+        self._v(self.kv_computed).observe(num_prompt_tokens - num_cached_tokens)
+        self.cached.labels(*self._values).inc(num_cached_tokens)
+        self.by_source.labels(*self._values, "local_compute").inc(
+            num_prompt_tokens - num_cached_tokens)
+        self.by_source.labels(*self._values, "local_cache_hit").inc(num_cached_tokens)
+
+
+__all__ = ["Metrics", "RequestTimes", "buckets_1_2_5"]

@@ -1,6 +1,10 @@
-"""Engine deltas -> OpenAI response shapes (chat / completions, whole and SSE chunks).
+"""Engine deltas -> OpenAI response shapes (chat / completions, whole bodies and SSE chunks),
+with vLLM's extensions (``stop_reason``, ``token_ids`` / ``prompt_token_ids``, usage cache
+accounting). Pure functions of what the engine sent; the flow is in api/serving.py.
 
-Pure functions of what the engine sent; the server (api/server.py) owns the flow.
+Choice ``index`` is ``prompt_index * n + completion_index`` (several prompts in one
+/v1/completions request are indexed in order, as vLLM and OpenAI do). Streams carry one
+choice per chunk, each with its own ``finish_reason``.
 """
 from __future__ import annotations
 
@@ -34,95 +38,168 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, c: wire.CompletionDelta) -> None:
         self.text += c.text
         self.token_ids += c.token_ids
         self.logprobs += c.logprobs or []
         self.finish_reason = c.finish_reason or self.finish_reason
+        self.stop_reason = c.stop_reason if c.stop_reason is not None else self.stop_reason
 
 
-def usage(d: wire.RequestDelta, num_output_tokens: int) -> dict:
-    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": d.num_prompt_tokens + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+@dataclass
+class PromptInfo:
+    """What the response says about one prompt of the request."""
+
+    token_ids: list[int]
+    num_cached_tokens: int = 0
+    echo: str = ""  # text put before each completion's (echo)
+    mm_tokens: dict[str, int] = field(default_factory=dict)  # placeholder tokens by modality
+
+
+@dataclass
+class Shape:
+    """How one request wants its response written."""
+
+    chat: bool
+    model: str
+    n: int = 1
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: "token_id:123"
+    token_ids: bool = False  # return_token_ids
+    block_size: int = 16  # KV block: what the prefix cache can hold (created_cache_tokens)
+    prefix_caching: bool = True
 
 
 class Formatter:
-    """Builds response objects for one served model; decodes tokens for logprobs."""
+    def __init__(self, tokenizer: Any, shape: Shape, rid: str, created: int) -> None:
+        self.tok, self.s, self.rid, self.created = tokenizer, shape, rid, created
 
-    def __init__(self, tokenizer: Any, model: str) -> None:
-        self.tokenizer, self.model = tokenizer, model
+    # -- pieces ---------------------------------------------------------------------------
+    def _token(self, tid: int) -> str:
+        return f"token_id:{tid}" if self.s.tokens_as_ids else self.tok.decode([tid])
 
-    def _tok(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, float]], k: int) -> dict:
-        # Each dict holds the top-k ids plus the sampled one (which may be outside the top-k).
-        content = []
-        for tid, d in zip(token_ids, lps):
+    def chat_logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict:
+        # Each dict holds the top-k ids plus the sampled one (which may be outside them).
+        k, content = self.s.logprobs or 0, []
+        for tid, d in zip(ids, lps):
             top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
-            tok = self._tok(tid)
+            tok = self._token(tid)
             content.append({"token": tok, "logprob": d[tid], "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (s := self._tok(t)), "logprob": v,
+                            "top_logprobs": [{"token": (s := self._token(t)), "logprob": v,
                                               "bytes": list(s.encode())} for t, v in top]})
         return {"content": content}
 
-    def completion_logprobs(self, token_ids: list[int], lps: list[dict[int, float]], k: int,
-                            offset: int = 0) -> dict:
-        tokens = [self._tok(t) for t in token_ids]
+    def completion_logprobs(self, ids: list[int], lps: list[dict[int, float]], offset: int
+                            ) -> dict:
+        k = self.s.logprobs or 0
+        tokens = [self._token(t) for t in ids]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(token_ids, lps)],
-                "top_logprobs": [{self._tok(t): v for t, v in
-                                  sorted(d.items(), key=lambda kv: -kv[1])[:k]} for d in lps],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(ids, lps)],
+                "top_logprobs": [self._top(d, k) for d in lps], "text_offset": offsets}
 
-    def whole(self, rid: str, created: int, chat: bool, choices: list[Choice], k: int | None,
-              last: wire.RequestDelta) -> dict:
-        out = []
+    def _top(self, d: dict[int, float], k: int) -> dict[str, float]:
+        # Two ids can decode to the same text (partial UTF-8 -> U+FFFD): keep the likelier.
+        out: dict[str, float] = {}
+        for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:k]:
+            out.setdefault(self._token(t), v)
+        return out
+
+    def usage(self, prompts: list[PromptInfo], completion_tokens: int) -> dict:
+        prompt = sum(len(p.token_ids) for p in prompts)
+        cached = sum(p.num_cached_tokens for p in prompts)
+        bs = self.s.block_size
+        # Full prompt blocks go to the prefix cache; those not found there were created.
+        created = sum(max(0, len(p.token_ids) // bs * bs - p.num_cached_tokens)
+                      for p in prompts) if self.s.prefix_caching else 0
+        details: dict[str, Any] = {"cached_tokens": cached, "created_cache_tokens": created}
+        mm: dict[str, int] = {}
+        for p in prompts:
+            for kind, count in p.mm_tokens.items():
+                mm[kind] = mm.get(kind, 0) + count
+        details["multimodal_tokens"] = mm or None
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens, "prompt_tokens_details": details}
+
+    # -- whole responses ------------------------------------------------------------------
+    def whole(self, prompts: list[PromptInfo], choices: list[Choice]) -> dict:
+        out: list[dict[str, Any]] = []
         for i, c in enumerate(choices):
-            if chat:
-                lp = self.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None
-                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason, "logprobs": lp})
+            p = prompts[i // self.s.n]
+            ch: dict[str, Any] = {"index": i}
+            if self.s.chat:
+                ch["message"] = {"role": "assistant", "content": p.echo + c.text}
+                ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs)
+                                  if self.s.logprobs is not None else None)
             else:
-                lp = (self.completion_logprobs(c.token_ids, c.logprobs, k)
-                      if k is not None else None)
-                out.append({"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                            "logprobs": lp})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": self.model, "choices": out,
-                "usage": usage(last, sum(len(c.token_ids) for c in choices))}
+                ch["text"] = p.echo + c.text
+                ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs, len(p.echo))
+                                  if self.s.logprobs is not None else None)
+                if self.s.token_ids:
+                    ch["prompt_token_ids"] = p.token_ids
+            ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
+            if self.s.token_ids:
+                ch["token_ids"] = c.token_ids
+            out.append(ch)
+        body = {"id": self.rid, "object": "chat.completion" if self.s.chat else "text_completion",
+                "created": self.created, "model": self.s.model, "choices": out,
+                "usage": self.usage(prompts, sum(len(c.token_ids) for c in choices))}
+        if self.s.chat and self.s.token_ids:
+            body["prompt_token_ids"] = prompts[0].token_ids
+        return body
 
-    def chunk_choices(self, d: wire.RequestDelta, chat: bool, k: int | None,
-                      offsets: list[int]) -> list[dict]:
-        choices = []
-        for c in d.completions:
-            ch: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
-            if chat:
-                ch["delta"] = {"content": c.text} if c.text else {}
-                ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs or [], k)
-                                  if k is not None else None)
-            else:
-                ch["text"] = c.text
-                ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs or [], k,
-                                                           offsets[c.index])
-                                  if k is not None else None)
-                offsets[c.index] += len(c.text)
-            choices.append(ch)
-        return choices
-
-    def sse(self, rid: str, created: int, chat: bool, choices: list[dict],
-            usage_: dict | None = None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-               "created": created, "model": self.model, "choices": choices}
-        if usage_ is not None:
-            obj["usage"] = usage_
+    # -- streams --------------------------------------------------------------------------
+    def sse(self, choices: list[dict], usage: dict | None = None, **extra: Any) -> str:
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.s.chat
+               else "text_completion", "created": self.created, "model": self.s.model,
+               "choices": choices, **extra}
+        if usage is not None:
+            obj["usage"] = usage
         return f"data: {json.dumps(obj)}\n\n"
+
+    def opening(self, prompts: list[PromptInfo]) -> list[dict]:
+        """Chat streams open each choice with its role (and the echoed text, if any);
+        completion streams open with the echo. One choice per chunk."""
+        out = []
+        for i in range(len(prompts) * self.s.n):
+            p = prompts[i // self.s.n]
+            if self.s.chat:
+                out.append({"index": i, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+                if p.echo:
+                    out.append({"index": i, "delta": {"content": p.echo}, "logprobs": None,
+                                "finish_reason": None})
+            elif p.echo or self.s.token_ids:
+                ch = {"index": i, "text": p.echo, "logprobs": None, "finish_reason": None}
+                if self.s.token_ids:
+                    ch["prompt_token_ids"], ch["token_ids"] = p.token_ids, []
+                out.append(ch)
+        return out
+
+    def chunk_choice(self, index: int, c: wire.CompletionDelta, offset: int) -> dict:
+        """One completion's delta as a stream choice; ``offset``: its text so far (the
+        completions format's text_offset)."""
+        ch: dict[str, Any] = {"index": index}
+        if self.s.chat:
+            ch["delta"] = {"content": c.text} if c.text else {}
+            ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs or [])
+                              if self.s.logprobs is not None else None)
+        else:
+            ch["text"] = c.text
+            ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs or [], offset)
+                              if self.s.logprobs is not None else None)
+        ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
+        if self.s.token_ids:
+            ch["token_ids"] = c.token_ids
+        return ch
 
     @staticmethod
     def sse_error(status: int, message: str, type_: str) -> str:
         return f"data: {json.dumps(error_body(status, message, type_))}\n\n"
+
+
+__all__ = ["Choice", "Formatter", "PromptInfo", "Shape", "error_body", "safe_message"]

@@ -11,6 +11,7 @@ processor needs torchvision, see models/tiny.py).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -56,6 +57,15 @@ class MediaSource:
     # dtype/shape (and so nbytes) of the item's pixels, known even when they were skipped:
     # the processor cache plans by size and a ref's wire entry describes the tensor.
     meta: ItemMeta | None = None
+
+
+@dataclass
+class _Counts:
+    queries: int = 0  # items looked up in the processor cache (every item)
+    hits: int = 0  # of which the index held: no decode, no HF processor
+    processed: int = 0  # items run through decode + HF processor
+    lock: threading.Lock = field(default_factory=threading.Lock)  # prompts are processed
+    # in a thread pool
 
 
 @dataclass
@@ -111,19 +121,36 @@ class InputProcessor:
                                                        "do_normalize", "do_convert_rgb")}}
         self.image_hash_kwargs = {**common, "size": dict(ip.size)}
         self.video_hash_kwargs = {**common, "pixels": [self.video_min_pixels, self.video_max_pixels]}
-        # Keys of encoded video bytes also cover how frames are sampled from the file.
-        self._video_bytes_kwargs = {**self.video_hash_kwargs, "fps": self.media.video_fps,
-                                    "max_frames": self.media.max_video_frames}
+
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
         self.cache = cache
-        self._lock = threading.Lock()  # counters: prompts are processed in a thread pool
-        self.num_queries = 0  # items looked up in the processor cache (every item)
-        self.num_hits = 0  # of which the index held: no decode, no HF processor
-        self.num_items_processed = 0  # items run through decode + HF processor
+        # NOTE: one counters object, shared with the per-request views of for_request (a
+        # shallow copy): counts made through a view land here.
+        self.counts = _Counts()
+        # An engine in this process (the offline LLM) sets this: hits then take their
+        # pixels from its store, so every prompt handed out is complete.
+        self.fill_pixels: Any = None
+
+    def for_request(self, media: MediaLimits | None = None, check_length: bool = True
+                    ) -> InputProcessor:
+        """A view for one request: its media limits (lowered caps, pixel budget) and, for a
+        prompt the server truncates afterwards, no length check. Tokenizer and processors
+        are shared, not copied."""
+        view = copy.copy(self)
+        view.media = media or self.media
+        view.max_model_len = self.max_model_len if check_length else None
+        return view
+
+    def _video_bytes_kwargs(self) -> dict[str, Any]:
+        """Keys of encoded video bytes also cover how frames are sampled from the file,
+        read from this view's media limits (a request may lower the frame count)."""
+        return {**self.video_hash_kwargs, "fps": self.media.video_fps,
+                "max_frames": self.media.max_video_frames}
 
     # -- entry points ---------------------------------------------------------------------
-    def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True
-                     ) -> ProcessedPrompt:
+    def process_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """OpenAI-style messages (content a string or text/image/image_url/video/video_url
         parts, any turn) -> expanded token ids and one MMItem per image/video."""
         if not isinstance(messages, list) or not messages or \
@@ -142,8 +169,9 @@ class InputProcessor:
             for part in content:
                 media += self._parse_part(part)
         self._check_limits([k for k, _, _ in media])
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return self._build(text, media)
 
     def process_prompt(self, prompt: str | list[int] | dict) -> ProcessedPrompt:
@@ -265,7 +293,7 @@ class InputProcessor:
     def _content_key(self, kind: str, payload: Payload, kwargs: dict[str, Any]) -> str:
         if isinstance(payload, bytes):
             return hash_media_bytes(kind, payload,
-                                    kwargs if kind == "image" else self._video_bytes_kwargs)
+                                    kwargs if kind == "image" else self._video_bytes_kwargs())
         if isinstance(payload, Image.Image):
             return hash_image(payload, kwargs)
         assert isinstance(payload, tuple)
@@ -273,9 +301,9 @@ class InputProcessor:
 
     def _lookup(self, key: str) -> ItemMeta | None:
         meta = self.cache.lookup(key) if self.cache is not None else None
-        with self._lock:
-            self.num_queries += 1
-            self.num_hits += meta is not None
+        with self.counts.lock:
+            self.counts.queries += 1
+            self.counts.hits += meta is not None
         return meta
 
     def _from_meta(self, key: str, meta: ItemMeta) -> MMItem:
@@ -288,8 +316,8 @@ class InputProcessor:
     def _process(self, kind: str, key: str, payload: Payload) -> MMItem:
         """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips."""
         ip = self.image_processor
-        with self._lock:
-            self.num_items_processed += 1
+        with self.counts.lock:
+            self.counts.processed += 1
         if kind == "image":
             img = decode_image(payload, self.media) if isinstance(payload, bytes) else payload
             w, h = img.size
@@ -350,11 +378,11 @@ class InputProcessor:
         """Processor-cache counters of this P0 (the bytes are nominal: pixels the index
         describes; the tensors themselves live in the workers or the shm ring)."""
         cache = self.cache
-        return {"mm_processor_cache_queries": float(self.num_queries),
-                "mm_processor_cache_hits": float(self.num_hits),
+        return {"mm_processor_cache_queries": float(self.counts.queries),
+                "mm_processor_cache_hits": float(self.counts.hits),
                 "mm_processor_cache_index_bytes": float(cache.num_bytes if cache else 0),
                 "mm_processor_cache_index_entries": float(len(cache) if cache else 0),
-                "mm_items_processed": float(self.num_items_processed)}
+                "mm_items_processed": float(self.counts.processed)}
 
     # -- expansion ------------------------------------------------------------------------
     def _build(self, text: str, media: list[tuple[str, Any, str | None]], by_kind: bool = False
@@ -402,6 +430,8 @@ class InputProcessor:
         if not p.prompt_token_ids:
             raise ValueError("the prompt is empty")
         self._check_len(len(p.prompt_token_ids))
+        if self.fill_pixels is not None:
+            self.fill_pixels(p)
         return p
 
 

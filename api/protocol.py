@@ -1,78 +1,202 @@
-"""OpenAI request bodies the server accepts, validated by pydantic so a bad body gets a 400
-naming the field. Unknown top-level fields are ignored (OpenAI's SDKs send extras).
-Responses are plain dicts in OpenAI's shapes (api/openai_format.py)."""
+"""OpenAI request bodies the server accepts, with vLLM's extensions, validated by pydantic so
+a bad body gets a 400 naming the field. Field by field this follows vLLM's OpenAI server
+(`vllm/entrypoints/openai/protocol.py`); rules that span fields, need the tokenizer or name
+a server flag live in api/request_checks.py.
+
+Every float must be finite (NaN / Infinity are refused: they would reach the sampler) and
+every int fits the msgpack wire (int64). Unknown top-level fields are ignored, as vLLM and
+OpenAI's SDKs expect. Responses are plain dicts in OpenAI's shapes (api/openai_format.py).
+"""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import model_validator, AfterValidator, BaseModel, ConfigDict, Field
 
-MAX_N = 128  # completions per request
-MAX_STOP = 16  # stop strings per request
 INT32 = 2**31 - 1  # bound on counts (they must also fit the msgpack wire)
 INT64 = 2**63 - 1
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1000  # characters per stop string (each is searched for after every token)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 
 
-class StreamOptions(BaseModel):
+def _utf8(s: str) -> str:
+    # JSON can carry lone surrogates ("\ud800"); the tokenizer and the response encoder
+    # cannot. Refuse them here, naming the field, instead of failing deep inside.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class URLRef(BaseModel):
-    url: str
-    detail: str | None = None  # accepted, unused
+class URLRef(_Model):
+    url: Text | None = Field(None, min_length=1)  # may be left out when a uuid names the item
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, unused
 
 
-class TextPart(BaseModel):
+def _data_or_uuid(ref: URLRef | None, uuid: str | None, field_name: str) -> None:
+    """A media part carries its data, or a uuid the server holds (vLLM: `{}` or null)."""
+    if (ref is None or ref.url is None) and uuid is None:
+        raise ValueError(f"{field_name}.url is required (or a uuid sent before with the data)")
+
+
+class TextPart(_Model):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ImagePart(BaseModel):
+class ImagePart(_Model):
     type: Literal["image_url"]
-    image_url: URLRef | str
+    image_url: URLRef | None = None  # NOTE: a bare string is refused, as by OpenAI and vLLM
+    uuid: Text | None = Field(None, max_length=256)  # vLLM: a client-chosen media id
+
+    @model_validator(mode="after")
+    def _needs_data_or_uuid(self) -> ImagePart:
+        _data_or_uuid(self.image_url, self.uuid, "image_url")
+        return self
 
 
-class VideoPart(BaseModel):
+class VideoPart(_Model):
     type: Literal["video_url"]
-    video_url: URLRef | str
+    video_url: URLRef | None = None
+    uuid: Text | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _needs_data_or_uuid(self) -> VideoPart:
+        _data_or_uuid(self.video_url, self.uuid, "video_url")
+        return self
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # name, tool_calls, tool_call_id, ... reach the chat template as they came.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Role
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Model):
+    """Fields both endpoints share (OpenAI's, then vLLM's sampling extensions)."""
+
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=INT32)  # the server's own cap: --max-n
+    best_of: int | None = Field(None, ge=1, le=INT32)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT32)  # vLLM extension
+    top_k: int | None = Field(None, ge=-1, le=INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    length_penalty: float = 1.0
     max_tokens: int | None = Field(None, ge=1, le=INT32)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
-    ignore_eos: bool = False  # vLLM extension (benchmarks)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = Field(None, ge=-1, le=INT32)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64)
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    add_special_tokens: bool | None = None  # no-op for Qwen2-VL's tokenizer (adds no BOS)
+    priority: int = Field(0, ge=-INT64 - 1, le=INT64)
+    user: str | None = None
+    request_id: str | None = None  # a label only: responses carry ids the server makes
+    # Accepted so that they can be refused by name (api/request_checks.py) rather than
+    # silently ignored: each changes what the model would produce.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    logits_processors: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_generation_prompt: bool | None = None  # None: True unless continue_final_message
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Text]] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template and the processor read them."""
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    @property
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[Annotated[int, Field(ge=0, le=INT32)]] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | PromptIds | \
+        Annotated[list[PromptIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1, le=INT32)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt, in order (choices are indexed prompt by prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # one token-id prompt
+        return list(p)
+
+    @property
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens

@@ -93,6 +93,7 @@ class _Child:
     early: list[EngineCoreOutput] = field(default_factory=list)  # decode outputs that came
     # before the prefill worker's hand-off output
     reserved: asyncio.Future | None = None
+    pins: list[str] = field(default_factory=list)  # processor-cache ring entries it holds
     migrations: int = 0
     done: bool = False
 
@@ -106,10 +107,17 @@ class _Child:
 
 
 class Router:
-    def __init__(self, config: EngineConfig, tokenizer: Any, *,
+    def __init__(self, config: EngineConfig, tokenizer: Any, *, processor: Any | None = None,
                  start_timeout_s: float = 600.0, threads_per_worker: int | None = None) -> None:
+        """``processor``: the InputProcessor whose cache index skipped pixels (needed to
+        produce them again for a worker that lacks them; None: no processor cache)."""
+        from triptych.api.pixel_planner import PixelPlanner
+        from triptych.mmcache import processor_cache_bytes
+
         self.config = config
         self.tokenizer = tokenizer
+        self.pixels = PixelPlanner(config.mm_processor_cache_type,
+                                   processor_cache_bytes(config.mm_processor_cache_gb), processor)
         self.layout = Layout.from_config(config)
         from triptych.models.tp_plan import check_layout_tp
 
@@ -151,7 +159,8 @@ class Router:
         address = f"ipc://{self._dir}/router"
         self._sock.bind(address)
         logger.info("router listening (%s); sockets in %s", self.layout, self._dir)
-        self.supervisor = Supervisor(address, self.tokenizer.eos_token_id, self._on_worker_exit)
+        self.supervisor = Supervisor(address, self.tokenizer.eos_token_id, self._on_worker_exit,
+                                     shm_ring=self.pixels.ring_name)
         config = dataclasses.asdict(self.config)
         threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
@@ -194,6 +203,7 @@ class Router:
             self._remote.close(0)
             self._remote_auth.close()
         self._ctx.term()
+        self.pixels.close()
         shutil.rmtree(self._dir, ignore_errors=True)
         from triptych.connector import cleanup_stale
         cleanup_stale()  # segments and sockets of workers that died (their own are gone)
@@ -297,6 +307,10 @@ class Router:
                 out[f"pool/{pool}/{k}"] = v
                 if k != "kv_cache_usage_perc" or pool in ("colocated", "decode"):
                     out[k] = out.get(k, 0.0) + v
+        pixel_pool = self.layout.pixel_pool
+        for k, v in self.pixels.stats().items():  # P0's processor cache, for its consumers
+            out[f"pool/{pixel_pool}/{k}"] = v
+            out[k] = v
         out["worker_restarts_total"] = self.supervisor.restarts_total if self.supervisor else 0
         out["request_migrations_total"] = self.migrations_total
         return out
@@ -402,11 +416,15 @@ class Router:
         w = self._choose(self.layout.main_pool, p)
         c.worker = w
         self._charge(c, w, len(p.prompt.prompt_token_ids) + (c.params.max_tokens or 0))
-        items, frames, encoding = self._items_for(w, c)
-        msg = wire.AddRequest(c.core_id, p.prompt.prompt_token_ids, c.params, items,
-                              self.outputs.token_ids(c.child_id), encoding=encoding)
-        await self._send_or_retry(w, msg, frames)
-        await self._encode(c, w, encoding)
+        emitted = self.outputs.token_ids(c.child_id)
+
+        def build(items: list[wire.WireMMItem], evicted: list[str] = (), seq: int = 0,
+                  encoding: list[str] = ()) -> wire.AddRequest:
+            return wire.AddRequest(c.core_id, p.prompt.prompt_token_ids, c.params, items,
+                                   emitted, encoding=list(encoding),
+                                   cache_evicted=list(evicted), cache_seq=seq)
+
+        await self._send_items(c, w, build)
 
     async def _run_disaggregated(self, c: _Child) -> None:
         """P+D / E+P+D: reserve KV on a decode worker, then prefill on a prefill worker."""
@@ -416,7 +434,7 @@ class Router:
         c.decode = d
         self._charge(c, d, len(p.prompt.prompt_token_ids) + (c.params.max_tokens or 0))
         c.reserved = asyncio.get_running_loop().create_future()
-        meta = [_wire_item(it, with_pixels=False) for it in p.prompt.mm_items]
+        meta = [_wire_item(it) for it in p.prompt.mm_items]
         await self._send_or_retry(d, wire.ReserveKV(c.core_id, p.prompt.prompt_token_ids,
                                                     c.params, meta, emitted))
         try:  # the decode worker queues the reservation while it has no room; bounded
@@ -428,22 +446,26 @@ class Router:
         pw = self._choose("prefill", p)
         c.worker = pw
         self._charge(c, pw, len(p.prompt.prompt_token_ids))
-        items, frames, encoding = self._items_for(pw, c)
         dest = wire.KVDest(d.name, d.info["data_address"], reserved.num_blocks,
                            reserved.num_cached_blocks)
-        await self._send_or_retry(pw, wire.AddRequest(
-            c.core_id, p.prompt.prompt_token_ids, c.params, items, emitted, dest, encoding),
-            frames)
-        await self._encode(c, pw, encoding)
 
-    def _items_for(self, target: Worker, c: _Child
-                   ) -> tuple[list[wire.WireMMItem], list[bytes], list[str]]:
-        """The items as ``target`` gets them: with pixels when it encodes itself; else
-        without, plus the hashes an encode worker must send it (those it lacks)."""
+        def build(items: list[wire.WireMMItem], evicted: list[str] = (), seq: int = 0,
+                  encoding: list[str] = ()) -> wire.AddRequest:
+            return wire.AddRequest(c.core_id, p.prompt.prompt_token_ids, c.params, items,
+                                   emitted, dest, list(encoding), list(evicted), seq)
+
+        await self._send_items(c, pw, build)
+
+    async def _send_items(self, c: _Child, target: Worker, build: Any) -> None:
+        """Send ``target`` its AddRequest: with the pixels (through the processor cache)
+        when it runs the vision tower itself; else without them, plus an EncodeRequest to
+        an encode worker for the embeddings ``target`` lacks."""
         mm = c.parent.prompt.mm_items
         if not self.layout.has_encode_pool:
-            items = [_wire_item(it, with_pixels=True) for it in mm]
-            return items, wire.encode_tensors([it.pixel_values for it in mm]), []
+            if not await self.pixels.send(target, mm, self._sources(c.parent, mm), build,
+                                          self._send_frames, c.pins):
+                raise _Retry(f"{target.name} is not reachable")
+            return
         held = self._embeds[target]
         encoding = list(dict.fromkeys(it.mm_hash for it in mm if not held.match([it.mm_hash])))
         # NOTE: recorded now, before any await: a concurrent request with the same image
@@ -451,7 +473,16 @@ class Router:
         held.capacity = max(16, int(target.info.get("encoder_cache_bytes", 0))
                             // EMBEDDING_INDEX_ENTRY_BYTES)
         held.record(encoding)
-        return [_wire_item(it, with_pixels=False) for it in mm], [], encoding
+        await self._send_or_retry(target, build([_wire_item(it) for it in mm],
+                                                encoding=encoding))
+        await self._encode(c, target, encoding)
+
+    @staticmethod
+    def _sources(parent: _Parent, items: list[Any]) -> list[Any]:
+        """Each item's MediaSource (to produce skipped pixels again), or None."""
+        by_hash = {it.mm_hash: src for it, src in zip(parent.prompt.mm_items,
+                                                       parent.prompt.mm_sources)}
+        return [by_hash.get(it.mm_hash) for it in items]
 
     async def _encode(self, c: _Child, target: Worker, hashes: list[str]) -> None:
         """Ask an encode worker to send ``target`` the embeddings of ``hashes``."""
@@ -461,10 +492,17 @@ class Router:
         todo = list({it.mm_hash: it for it in todo}.values())
         e = self._choose("encode", c.parent)
         c.encode = e
-        self._charge(c, e, sum(int(it.pixel_values.shape[0]) for it in todo))  # patches
-        msg = wire.EncodeRequest(c.core_id, [_wire_item(it, with_pixels=True) for it in todo],
-                                 target.info["data_address"])
-        await self._send_or_retry(e, msg, wire.encode_tensors([it.pixel_values for it in todo]))
+        self._charge(c, e, sum(it.grid_thw[0] * it.grid_thw[1] * it.grid_thw[2]
+                               for it in todo))  # patches
+        address = target.info["data_address"]
+
+        def build(items: list[wire.WireMMItem], evicted: list[str], seq: int
+                  ) -> wire.EncodeRequest:
+            return wire.EncodeRequest(c.core_id, items, address, evicted, seq)
+
+        if not await self.pixels.send(e, todo, self._sources(c.parent, todo), build,
+                                      self._send_frames, c.pins):
+            raise _Retry(f"{e.name} is not reachable")
 
     def _choose(self, pool: str, parent: _Parent, exclude: Worker | None = None) -> Worker:
         live = [w for w in self._live(pool) if w is not exclude]
@@ -519,6 +557,8 @@ class Router:
     def _forget(self, c: _Child) -> None:
         self._by_core_id.pop(c.core_id, None)
         self._uncharge(c)
+        self.pixels.unpin(c.pins)
+        c.pins = []
         if c.reserved is not None and not c.reserved.done():
             c.reserved.cancel()
         c.worker = c.decode = c.encode = c.reserved = None
@@ -612,7 +652,11 @@ class Router:
             asyncio.ensure_future(self._retry(c, f"handed back by {worker.name}", c.attempt,
                                               count=False))
         elif isinstance(msg, wire.RequestError):
-            if msg.retryable:
+            if msg.cache_missing:  # P0 and the worker disagreed: forget, send the pixels
+                self.pixels.forget(worker, msg.cache_missing, msg.cache_seq)
+                asyncio.ensure_future(self._retry(c, f"{worker.name}: processor cache miss",
+                                                  c.attempt, count=False))
+            elif msg.retryable:
                 asyncio.ensure_future(self._retry(c, f"{worker.name}: {msg.message}",
                                                   c.attempt))
             else:
@@ -673,16 +717,17 @@ class Router:
             return
         self._prefix[worker].clear()
         self._embeds[worker].clear()
+        asyncio.ensure_future(self.pixels.reset(worker))  # its store restarts empty
         from triptych.connector import cleanup_stale
         cleanup_stale()  # the dead worker's shared-memory segments and socket dir
         for c in [c for c in self._by_core_id.values() if worker in c.workers and not c.done]:
             asyncio.ensure_future(self._retry(c, f"{worker.name} died", c.attempt))
 
 
-def _wire_item(it: Any, with_pixels: bool) -> wire.WireMMItem:
+def _wire_item(it: Any) -> wire.WireMMItem:
+    """An item without pixels (its embedding is cached or on its way)."""
     return wire.WireMMItem(it.modality, it.mm_hash, it.offset, it.length, list(it.grid_thw),
-                           wire.tensor_meta(it.pixel_values) if with_pixels else None,
-                           it.second_per_grid_t)
+                           None, it.second_per_grid_t)
 
 
 def _delta(r: RequestOutput) -> wire.RequestDelta:

@@ -22,14 +22,15 @@ T = TypeVar("T")
 
 
 class RouterThread:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, processor: Any | None = None
+                 ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="triptych-router")
         self._thread.start()
         self._closed = False
         try:
-            self.router = Router(config, tokenizer)
+            self.router = Router(config, tokenizer, processor=processor)
             self._call(self.router.start())
         except BaseException:
             self._stop_loop()

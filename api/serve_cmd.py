@@ -1,8 +1,13 @@
-"""`triptych serve`: the OpenAI-compatible server (README's main job)."""
+"""`triptych serve`: the OpenAI-compatible server (README's main job).
+
+Every bound on what one request may cost is a flag here with its default in ``--help``, and
+a refusal names the flag. ``--model`` is checked before any process starts.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 from typing import Any
@@ -15,80 +20,153 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
-                    "/metrics. Without --model a tiny random demo checkpoint is built on first "
-                    "use (outputs are gibberish; point --model at a real checkpoint directory).")
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /invocations, "
+                    "/health, /version and /metrics. Without --model a tiny random demo "
+                    "checkpoint is built on first use (outputs are gibberish; point --model at "
+                    "a real checkpoint directory or hub id).")
     add_engine_args(p, model_required=False)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default loopback; use 0.0.0.0 to expose deliberately)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients must send (default: the model directory's name)")
-    p.add_argument("--max-pending-requests", type=int, default=256,
-                   help="requests in flight beyond which new ones get 503 + Retry-After")
-    p.add_argument("--max-request-bytes", type=int, default=64 << 20,
-                   help="largest request body (data URLs included); bigger ones get 413")
-    p.add_argument("--allowed-domains", default=None,
-                   help="comma-separated hosts media URLs may come from (exact match); such hosts "
-                        "may resolve to private addresses")
-    p.add_argument("--allow-private-media-urls", action="store_true",
-                   help="let media URLs resolve to private/loopback addresses (unsafe on shared hosts)")
-    p.add_argument("--max-image-pixels", type=int, default=32_000_000,
-                   help="largest decoded image (width*height)")
-    p.add_argument("--max-media-bytes", type=int, default=20 << 20,
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (use 0.0.0.0 to expose the server deliberately)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--served-model-name", default=None,
+                   help="model name clients send (if unset: the model directory's name, or "
+                        "the hub id)")
+    lim = p.add_argument_group("limits (each refusal names its flag)")
+    lim.add_argument("--max-pending-requests", type=int, default=256,
+                     help="engine requests in flight beyond which new ones get 503 + "
+                          "Retry-After (also the most prompts one /v1/completions request "
+                          "may hold)")
+    lim.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                     help="largest request body, data URLs included; bigger ones get 413")
+    lim.add_argument("--max-prompt-chars", type=int, default=0,
+                     help="most characters of text in one request, checked before "
+                          "tokenization (0: 20 x max_model_len)")
+    lim.add_argument("--max-n", type=int, default=16,
+                     help="most completions per prompt (n, best_of)")
+    m = p.add_argument_group("media")
+    m.add_argument("--allowed-media-domains", "--allowed-domains", dest="allowed_media_domains",
+                   default=None,
+                   help="comma-separated hosts media URLs may come from (exact match; such "
+                        "hosts may resolve to private addresses); unset: any public host")
+    m.add_argument("--allow-private-media-urls", action="store_true",
+                   help="let media URLs resolve to private/loopback addresses (unsafe on "
+                        "shared hosts)")
+    m.add_argument("--max-image-pixels", type=int, default=32_000_000,
+                   help="largest decoded image, or video frame (width x height)")
+    m.add_argument("--max-video-pixels", type=int, default=128_000_000,
+                   help="most decoded pixels per video (kept frames x width x height)")
+    m.add_argument("--max-request-pixels", type=int, default=256_000_000,
+                   help="most decoded pixels per request (all images and video frames)")
+    m.add_argument("--max-media-bytes", type=int, default=20 << 20,
                    help="largest encoded image or video, bytes")
-    p.add_argument("--video-fps", type=float, default=2.0, help="frames sampled per video second")
-    p.add_argument("--max-video-frames", type=int, default=16, help="frames kept per video")
-    p.add_argument("--max-video-seconds", type=float, default=120.0,
+    m.add_argument("--video-fps", type=float, default=2.0,
+                   help="frames sampled per video second (a request may ask for fewer)")
+    m.add_argument("--max-video-frames", type=int, default=16,
+                   help="frames kept per video (a request may ask for fewer)")
+    m.add_argument("--media-io-kwargs", default=None,
+                   help="vLLM's spelling of the two above: JSON such as "
+                        "'{\"video\": {\"num_frames\": 32, \"fps\": 1}}'")
+    m.add_argument("--max-video-seconds", type=float, default=120.0,
                    help="longer videos are refused")
-    p.add_argument("--media-fetch-timeout", type=float, default=10.0,
-                   help="seconds to fetch one media URL")
+    m.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="seconds for one media URL, from waiting for a fetch slot to the "
+                        "last byte")
+    m.add_argument("--max-concurrent-media-fetches", type=int, default=32,
+                   help="media URLs fetched at once, server-wide (text requests never wait "
+                        "on them)")
+
+
+def _video_caps(args: argparse.Namespace) -> tuple[int, float]:
+    from triptych.cli import fail
+
+    frames, fps = args.max_video_frames, args.video_fps
+    if args.media_io_kwargs:
+        try:
+            video = json.loads(args.media_io_kwargs).get("video", {})
+            frames = int(video.get("num_frames", frames))
+            fps = float(video.get("fps", fps))
+        except (ValueError, TypeError, AttributeError):
+            fail("--media-io-kwargs must be JSON like '{\"video\": {\"num_frames\": 32}}'")
+    if frames < 1 or not fps > 0:
+        fail("video frames and fps must be positive")
+    return frames, fps
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-    from triptych.api.media import MediaLimits
-    from triptych.api.processor import InputProcessor
-    from triptych.api.server import build_app
-    from triptych.cli import engine_config_from_args
-    from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
+    from triptych.cli import engine_config_from_args, fail, resolve_model
 
-    model = args.model
+    # Everything the command line can get wrong fails here, in one line, before any
+    # process starts or any weight is read.
+    model = resolve_model(args.model) if args.model else None
+    frames, fps = _video_caps(args)
+    for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
+                 "max_video_pixels", "max_request_pixels", "max_media_bytes",
+                 "max_concurrent_media_fetches"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
+        fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
     if model is None:
+        from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
         model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
         logger.info("no --model given: serving the tiny random demo checkpoint at %s", model)
     config = engine_config_from_args(args, model=model)
-    limits = MediaLimits(
+    name = args.served_model_name or (args.model if args.model and not os.path.isdir(
+        os.path.expanduser(args.model)) else os.path.basename(os.path.normpath(model)))
+    asyncio.run(_serve(args, config, model, name, frames, fps))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, frames: int,
+                 fps: float) -> None:
+    import uvicorn
+    from transformers import AutoConfig
+    from triptych.api.router import Router
+    from triptych.api.media import MediaLimits
+    from triptych.api.processor import InputProcessor
+    from triptych.api.request_checks import ServerLimits
+    from triptych.api.server import AppConfig, build_app
+    from triptych.engine.engine_core import resolve_max_model_len
+
+    hf = AutoConfig.from_pretrained(model, local_files_only=True)
+    text = getattr(hf, "text_config", hf)
+    max_len = resolve_max_model_len(config, text.max_position_embeddings)
+    media = MediaLimits(
         max_image_bytes=args.max_media_bytes, max_video_bytes=args.max_media_bytes,
-        max_image_pixels=args.max_image_pixels, video_fps=args.video_fps,
-        max_video_frames=args.max_video_frames, max_video_seconds=args.max_video_seconds,
-        fetch_timeout_s=args.media_fetch_timeout,
-        allowed_domains=tuple(d.strip() for d in args.allowed_domains.split(","))
-        if args.allowed_domains else None,
+        max_image_pixels=args.max_image_pixels, max_video_pixels=args.max_video_pixels,
+        max_request_pixels=args.max_request_pixels, video_fps=fps, max_video_frames=frames,
+        max_video_seconds=args.max_video_seconds, fetch_timeout_s=args.media_fetch_timeout,
+        allowed_domains=tuple(d.strip() for d in args.allowed_media_domains.split(","))
+        if args.allowed_media_domains else None,
         allowed_local_media_path=config.allowed_local_media_path,
         allow_private_addresses=args.allow_private_media_urls)
-
-    async def main() -> None:
-        from transformers import AutoConfig
-        from triptych.api.router import Router
-        from triptych.engine.engine_core import resolve_max_model_len
-        hf = AutoConfig.from_pretrained(model, local_files_only=True)
-        max_len = resolve_max_model_len(
-            config, getattr(hf, "text_config", hf).max_position_embeddings)
-        processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
-                                   media_limits=limits, max_model_len=max_len)
-        client = Router(config, processor.tokenizer)
-        try:
-            await client.start()
-            name = args.served_model_name or os.path.basename(os.path.normpath(model))
-            app = build_app(client, processor, name, max_len, args.max_pending_requests,
-                            args.max_request_bytes, on_shutdown=client.shutdown)
-            server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                                   log_level="info", timeout_graceful_shutdown=2))
-            logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
-            await server.serve()
-        finally:  # (a no-op when the lifespan already stopped it)
-            await client.shutdown()
-
-    asyncio.run(main())
-    return 0
+    limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=args.max_n,
+                          max_prompt_chars=args.max_prompt_chars,
+                          max_prompts=args.max_pending_requests,
+                          limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media)
+    cache_info = {"block_size": str(config.block_size),
+                  "enable_prefix_caching": str(config.enable_prefix_caching),
+                  "num_gpu_blocks_override": str(config.num_kv_blocks),
+                  "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                  "kv_cache_memory": str(config.kv_cache_memory), "cache_dtype": "auto"}
+    app_config = AppConfig(
+        served_model=name, limits=limits, model_root=args.model or model,
+        max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
+        max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info)
+    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
+    processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
+                               media_limits=media, max_model_len=max_len,
+                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+    client = Router(config, processor.tokenizer, processor=processor)
+    try:
+        await client.start()
+        app = build_app(client, processor, app_config, on_shutdown=client.shutdown)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="info", timeout_graceful_shutdown=2))
+        logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
+        await server.serve()
+    finally:  # (a no-op when the lifespan already stopped it)
+        await client.shutdown()

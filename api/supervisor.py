@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from triptych.connector.segments import pid_alive
 from triptych.engine.threads import thread_env
 from triptych.engine.worker_loop import WorkerSpec
 
@@ -74,23 +75,13 @@ class Worker:
         return self.proc.pid if self.proc else self.info.get("pid")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(tmp: str | None = None) -> list[str]:
     """Remove run dirs of servers that are no longer running (killed with -9)."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     for name in os.listdir(tmp):
         m = _RUN_DIR_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
             removed.append(name)
     return removed
@@ -104,8 +95,9 @@ def make_run_dir() -> str:
 
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
-                 on_exit: Callable[[Worker, int], None]) -> None:
+                 on_exit: Callable[[Worker, int], None], shm_ring: str | None = None) -> None:
         self.router_address = router_address
+        self.shm_ring = shm_ring  # P0's shared-memory processor cache, if any
         self.eos_token_id = eos_token_id
         self.on_exit = on_exit
         self.workers: list[Worker] = []
@@ -121,7 +113,8 @@ class Supervisor:
             w.incarnation += 1
         spec = WorkerSpec(worker_id=w.identity, pool=w.pool, router_address=self.router_address,
                           config=w.config, eos_token_id=self.eos_token_id,
-                          parent_pid=os.getpid(), num_threads=w.num_threads)
+                          parent_pid=os.getpid(), num_threads=w.num_threads,
+                          shm_ring=self.shm_ring)
         # NOTE: the count is this worker's share, set explicitly: P0's own environment holds
         # the count the CLI chose for P0 (all cores), which thread_env would keep.
         env = thread_env(w.num_threads, os.environ)

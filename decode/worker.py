@@ -25,34 +25,16 @@ from triptych.engine import wire
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.mmcache.consumer import WorkerPixels, items_from_wire
 
 logger = logging.getLogger("triptych.decode")
-
-
-def items_from_wire(items: list[wire.WireMMItem], frames: list[bytes]) -> list[MMItem]:
-    """MMItems of a message; pixel frames follow frame 0 in item order (checked)."""
-    out = []
-    k = 1
-    for it in items:
-        if len(it.grid_thw) != 3:
-            raise ValueError("bad patch grid")
-        pv = None
-        if it.pixels is not None:
-            if k >= len(frames):
-                raise ValueError("tensor frames do not match the items")
-            pv = wire.tensor_from_frame(it.pixels, frames[k])
-            k += 1
-        out.append(MMItem(it.modality, it.mm_hash, it.offset, it.length, tuple(it.grid_thw),
-                          pv, it.second_per_grid_t))
-    if k != len(frames):
-        raise ValueError("tensor frames do not match the items")
-    return out
 
 
 class DecodeWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
         self.core = EngineCore(config, eos_token_id=spec.eos_token_id)
+        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self.pooled = spec.pool == "decode"  # pools exchange data through a connector
         self.connector = self.receiver = self.inbox = None
         if self.pooled:
@@ -84,7 +66,8 @@ class DecodeWorker(Handler):
             return []
         try:
             if isinstance(msg, wire.AddRequest):
-                return self._add(msg, items_from_wire(msg.mm_items, frames))
+                items = self.pixels.items_of(msg, frames)
+                return [items] if isinstance(items, wire.RequestError) else self._add(msg, items)
             if isinstance(msg, wire.ReserveKV) and self.pooled:
                 if any(it.pixels is not None for it in msg.mm_items):
                     raise ValueError("a KV reservation carries no pixels")
@@ -194,7 +177,7 @@ class DecodeWorker(Handler):
                    or it.mm_hash in self.core.encoder.cache for it in req.mm_items)
 
     def stats(self) -> dict[str, float]:
-        s = self.core.stats()
+        s = self.core.stats() | self.pixels.stats()
         if self.pooled:
             s["kv_transfer_bytes_received_total"] = self.receiver.bytes_received
             s["kv_transfer_expired_total"] = self.receiver.num_expired
@@ -205,6 +188,7 @@ class DecodeWorker(Handler):
         return s
 
     def close(self) -> None:
+        self.pixels.close()
         if self.connector is not None:
             self.connector.close()
         self.core.close()

@@ -19,7 +19,6 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import ConnectorError
-from triptych.decode.worker import items_from_wire
 from triptych.encode.encoder_cache import EncoderCache
 from triptych.encode.encoder_runner import EncoderRunner
 from triptych.engine import wire
@@ -30,6 +29,7 @@ from triptych.engine.request import MMItem
 from triptych.engine.tp_group import start_group
 from triptych.engine.tp_runner import TPEncoder
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.mmcache.consumer import WorkerPixels
 
 logger = logging.getLogger("triptych.encode")
 
@@ -63,6 +63,7 @@ class EncodeWorker(Handler):
         self.runner = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
                                     dtype)
         self.connector = data_endpoint(config, spec)
+        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self._jobs: list[_Job] = []
         self.bytes_sent = 0
         self.histogram = Histogram()  # seconds to encode and send one request's items
@@ -78,8 +79,10 @@ class EncodeWorker(Handler):
             return []
         if not isinstance(msg, wire.EncodeRequest):
             return [wire.RequestError(getattr(msg, "request_id", ""), "not an encode message")]
+        items = self.pixels.items_of(msg, frames)
+        if isinstance(items, wire.RequestError):
+            return [items]
         try:
-            items = items_from_wire(msg.mm_items, frames)
             merge = self.shape.spatial_merge_size
             for it in items:
                 t, h, w = it.grid_thw
@@ -146,12 +149,15 @@ class EncodeWorker(Handler):
         c = self.runner.cache
         s = {"num_requests_waiting": len(self._jobs), "encoder_cache_hits": c.num_hits,
              "encoder_cache_queries": c.num_queries, "encoder_cache_bytes": c.num_bytes,
+             "encoder_cache_usage_bytes": c.num_bytes,
+             "encoder_cache_capacity_bytes": c.capacity_bytes,
              "items_encoded_total": self.runner.num_items_encoded,
-             "embedding_transfer_bytes_total": self.bytes_sent}
+             "embedding_transfer_bytes_total": self.bytes_sent, **self.pixels.stats()}
         s.update(self.histogram.stats("embedding_transfer_seconds"))
         return s
 
     def close(self) -> None:
+        self.pixels.close()
         self.connector.close()
         if self.group is not None:
             self.group.close()

@@ -35,6 +35,11 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by their hash (in use or free): the prefix cache's content."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 

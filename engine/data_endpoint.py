@@ -21,7 +21,7 @@ def data_endpoint(config: EngineConfig, spec: WorkerSpec) -> Connector:
 
     # One host unless workers on other hosts may join (the router opened worker_address),
     # or this is one of them (nobody here supervises it).
-    same_host = config.worker_address is None and spec.parent_pid != 0
+    same_host = config.worker_address is None and not spec.remote
     kind = resolve_kind(config.kv_transfer, same_host=same_host)
     keys = None
     if kind == "tcp" and config.worker_keys:

@@ -27,6 +27,7 @@ from triptych.engine.outputs import EngineCoreOutput
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler, SchedulerOutput
+from triptych.engine.timings import RequestTimings
 from triptych.engine.tp_group import start_group
 from triptych.engine.validate import validate_request
 from triptych.kernels import get_ops, resolve_backend
@@ -148,6 +149,10 @@ class EngineCore:
         except BaseException:
             self.close()
             raise
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        # one block of every layer, K and V, all KV heads (a group's ranks hold a slice each)
+        self.block_bytes = (2 * self.shape.num_layers * config.block_size * self.shape.num_kv_heads
+                            * self.shape.head_dim * elem)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
@@ -159,6 +164,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_steps = 0  # steps whose batch had to be bisected
+        self.timings = RequestTimings()
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d%s", config.model, self.device, self.dtype, backend,
                     self.num_blocks, config.block_size, self.max_model_len,
@@ -268,6 +274,7 @@ class EngineCore:
         self.last_preempted = sched.preempted_ids
         if sched.empty:
             return []
+        self.timings.on_step(sched)
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
         try:
             sampled, logprobs = self.runner.execute(sched, block_ids)
@@ -323,6 +330,7 @@ class EngineCore:
         return SchedulerOutput(ok, sum(n for _, n in ok)), sampled, logprobs, failed
 
     def _output(self, req: Request, logprobs: dict[int, float] | None) -> EngineCoreOutput:
+        self.timings.on_token(req)
         status = req.status
         reason = status.finish_reason if status.finished else None
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
@@ -381,6 +389,12 @@ class EngineCore:
             "prefix_cache_queries": self.kv.num_prefix_queries,
             "encoder_cache_hits": self.encoder.cache.num_hits,
             "encoder_cache_queries": self.encoder.cache.num_queries,
+            "encoder_cache_usage_bytes": self.encoder.cache.num_bytes,
+            "encoder_cache_capacity_bytes": self.encoder.cache.capacity_bytes,
+            "prefix_cache_usage_bytes": self.kv.pool.num_cached_blocks * self.block_bytes,
+            "prefix_cache_capacity_bytes": self.num_blocks * self.block_bytes,
+            "num_gpu_blocks": self.num_blocks,
             "failed_steps_total": self.num_failed_steps,
+            **self.timings.stats(),
         }
 

@@ -31,9 +31,15 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, S
         return [(request_id, params)]
     fields = {f: getattr(params, f) for f in params.__struct_fields__}
     return [(f"{request_id}#{i}",
-             SamplingParams(**{**fields, "n": 1,
-                               "seed": None if params.seed is None else params.seed + i}))
+             SamplingParams(**{**fields, "n": 1, "seed": _child_seed(params.seed, i)}))
             for i in range(params.n)]
+
+
+def _child_seed(seed: int | None, i: int) -> int | None:
+    """Child i's seed: seed + i, wrapped within int64 (seed 2**63 - 1 with n > 1 is valid)."""
+    if seed is None:
+        return None
+    return (seed + i + 2**63) % 2**64 - 2**63
 
 
 @dataclass

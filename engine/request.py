@@ -68,6 +68,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token / string that finished it
     error: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first ran (queue time ends)
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
 

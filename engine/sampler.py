@@ -2,6 +2,8 @@
 
 Greedy rows take argmax; random rows apply temperature, top-k, top-p and draw with the
 request's own generator (seeded requests are reproducible whatever else is batched).
+A request's ``logit_bias`` is added to its logits before either; logprobs are those of the
+model's raw logits (vLLM's default), so a biased pick need not be the top-1 there.
 """
 from __future__ import annotations
 
@@ -38,10 +40,11 @@ class Sampler:
         # logits: [N, vocab] float32
         logits = logits.float()
         n = logits.shape[0]
-        out = logits.argmax(dim=-1)
+        biased = self._apply_bias(logits, params)
+        out = biased.argmax(dim=-1)
         for i, sp in enumerate(params):
             if not sp.greedy:
-                out[i] = self._sample_row(logits[i], sp, self._generator(request_ids[i], sp))
+                out[i] = self._sample_row(biased[i], sp, self._generator(request_ids[i], sp))
         token_ids = out.tolist()
         logprobs: list[dict[int, float] | None] = [None] * n
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
@@ -55,6 +58,20 @@ class Sampler:
                 d[token_ids[i]] = float(lp[row, token_ids[i]])
                 logprobs[i] = d
         return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        rows = [i for i, sp in enumerate(params) if sp.logit_bias]
+        if not rows:
+            return logits
+        out = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            # NOTE: ids beyond this model's logits are dropped (P0 refuses them already).
+            bias = {t: b for t, b in params[i].logit_bias.items() if 0 <= t < vocab}
+            if bias:
+                out[i, list(bias)] += torch.tensor(list(bias.values()), dtype=out.dtype)
+        return out
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:

@@ -24,6 +24,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one)
     skip_special_tokens: bool = True  # drop special tokens from the output text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +57,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for tid, bias in (self.logit_bias or {}).items():
+            if tid < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ import msgspec
 import torch
 from triptych.engine.outputs import EngineCoreOutput
 from triptych.engine.sampling_params import SamplingParams
+from triptych.mmcache.shm_ring import ShmItemRef
 
 MAX_FRAME_BYTES = 256 << 20  # one tensor frame at most
 MAX_MESSAGE_BYTES = 1 << 30  # one multipart message at most (ZMQ drops bigger ones)
@@ -44,9 +45,12 @@ class WireMMItem(msgspec.Struct, frozen=True):
     offset: int  # first placeholder token in prompt_token_ids
     length: int  # placeholder tokens
     grid_thw: list[int]  # (t, h, w) patch grid
-    pixels: TensorMeta | None = None  # pixel_values in the next unused frame; None: the
-    # worker already holds the embedding (or it arrives from an encode worker)
+    pixels: TensorMeta | None = None  # dtype/shape of pixel_values (in the next unused
+    # frame unless cached); None: no pixels, the worker holds or will get the embedding
     second_per_grid_t: float | None = None  # video only
+    cache: str = ""  # processor cache op (mmcache/consumer.py): "" | data | data-uncached |
+    # ref (the worker's store holds the pixels) | shm (read them from P0's ring)
+    shm: ShmItemRef | None = None  # where in P0's ring (cache == "shm")
 
 
 # -- router -> worker ---------------------------------------------------------------------------
@@ -69,12 +73,16 @@ class AddRequest(msgspec.Struct, tag="add"):
     kv_dest: KVDest | None = None  # prefill worker: stop after one new token, send the KV here
     encoding: list[str] = []  # mm hashes an encode worker was asked to send here (items
     # without pixels that are not listed are expected in this worker's encoder cache)
+    cache_evicted: list[str] = []  # processor-cache keys the worker drops first (P0's plan)
+    cache_seq: int = 0  # the plan's number (comes back with a cache miss)
 
 
 class EncodeRequest(msgspec.Struct, tag="encode"):
     request_id: str  # the request the items belong to (for errors and logs)
     mm_items: list[WireMMItem]  # items to encode, pixels in the following frames
     dest_address: str  # data address of the worker that prefills the request
+    cache_evicted: list[str] = []  # as AddRequest's
+    cache_seq: int = 0
 
 
 class ReserveKV(msgspec.Struct, tag="reserve"):
@@ -117,6 +125,8 @@ class RequestError(msgspec.Struct, tag="error"):
     request_id: str  # the request the worker refused
     message: str  # safe for the client: names the problem, no internals
     retryable: bool = False  # not the request's fault (a transfer timed out): run it again
+    cache_missing: list[str] = []  # processor-cache keys the worker did not hold (retryable)
+    cache_seq: int = 0  # the plan that named them
 
 
 class WorkerStats(msgspec.Struct, tag="stats"):

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     spec = WorkerSpec(worker_id=f"{args.name}#{os.getpid()}", pool=args.pool,
                       router_address=args.router, config=dataclasses.asdict(config),
                       eos_token_id=tok.eos_token_id, parent_pid=0,
-                      num_threads=args.threads or os.cpu_count() or 1, key_name=args.name)
+                      num_threads=args.threads or os.cpu_count() or 1, key_name=args.name,
+                      remote=True)
     module, cls = POOLS[args.pool]
     run_worker(spec, getattr(importlib.import_module(module), cls))
     return 0

@@ -51,6 +51,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     parent_pid: int = 0  # exit when this process goes away (0: not supervised locally)
     num_threads: int = 1  # torch intra-op threads of this worker
     key_name: str | None = None  # its CURVE key's name (worker_keys); default: pool-index
+    remote: bool = False  # on another host than the router (`triptych worker`)
+    shm_ring: str | None = None  # P0's shared-memory processor cache (mm_processor_cache_type=shm)
 
 
 class Handler:
@@ -242,7 +244,7 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
             for reply in handler.after_step():
                 _send(sock, reply, spec)
         now = time.monotonic()
-        if not spec.parent_pid and now - last_hello >= HELLO_EVERY_S:
+        if spec.remote and now - last_hello >= HELLO_EVERY_S:
             last_hello = now
             _send(sock, handler.hello(spec), spec)
         if now - last_stats >= STATS_INTERVAL_S:

@@ -18,11 +18,11 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import BadMessage
-from triptych.decode.worker import items_from_wire
 from triptych.engine import wire
 from triptych.engine.data_endpoint import data_endpoint
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.mmcache.consumer import WorkerPixels
 from triptych.prefill.inbox import EmbeddingInbox
 from triptych.prefill.kv_sender import KVSender
 
@@ -33,6 +33,7 @@ class PrefillWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
         self.core = EngineCore(config, eos_token_id=spec.eos_token_id)
+        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self.connector = data_endpoint(config, spec)
         self.sender = KVSender(self.core, self.connector)
         self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
@@ -53,10 +54,12 @@ class PrefillWorker(Handler):
             return []
         if not isinstance(msg, wire.AddRequest):
             return [wire.RequestError(getattr(msg, "request_id", ""), "not a prefill message")]
+        items = self.pixels.items_of(msg, frames)
+        if isinstance(items, wire.RequestError):
+            return [items]
         try:
             if msg.kv_dest is None:
                 raise ValueError("a prefill worker needs a KV destination")
-            items = items_from_wire(msg.mm_items, frames)
             self.core.check_request(msg.prompt_token_ids, msg.params, items, msg.output_token_ids)
         except (ValueError, TypeError) as e:
             return [wire.RequestError(msg.request_id, str(e))]
@@ -117,13 +120,14 @@ class PrefillWorker(Handler):
                                   retryable=True) for rid in self.inbox.expire(now)]
 
     def stats(self) -> dict[str, float]:
-        s = self.core.stats()
+        s = self.core.stats() | self.pixels.stats()
         s["kv_transfer_bytes_total"] = self.sender.bytes_sent
         s["kv_transfers_total"] = self.sender.transfers
         s["requests_waiting_for_embeddings"] = len(self.inbox)
         return s
 
     def close(self) -> None:
+        self.pixels.close()
         self.connector.close()
         self.core.close()
 

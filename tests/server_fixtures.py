@@ -74,6 +74,25 @@ def text_part(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
+def separated_prompt(offline, candidates: list[list[dict]], max_tokens: int,
+                     margin: float = 1e-4) -> tuple[list[dict], str]:
+    """The first conversation whose greedy path is well separated (at every step the top
+    token beats the runner-up by more than ``margin`` in logprob) and its text. A resumed
+    or recomputed request takes another arithmetic path (a prefill instead of decodes); on
+    a near tie (a random tiny model has some) either token is a correct greedy pick, so
+    tests that compare a resumed stream with an undisturbed one exclude near ties."""
+    from triptych import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    for msgs in candidates:
+        out = offline.chat(msgs, sp, use_tqdm=False)[0].outputs[0]
+        gaps = [abs(a - b) for a, b in (sorted((lp.logprob for lp in d.values()),
+                                               reverse=True)[:2] for d in out.logprobs)]
+        if min(gaps) > margin:
+            return msgs, out.text
+    raise AssertionError("no candidate prompt has a well-separated greedy path")
+
+
 def file_server(directory: Path) -> ThreadingHTTPServer:
     """A local HTTP server for the media-URL tests (127.0.0.1 only); call .shutdown()."""
     import threading
@@ -168,6 +187,16 @@ class ServerProc:
             for s in fam.samples:
                 out.setdefault(s.name, s.value)
         return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called ``name`` whose labels include ``labels`` (e.g.
+        every pool's ``triptych:kv_transfer_bytes_total``)."""
+        total = 0.0
+        for fam in text_string_to_metric_families(httpx.get(self.base + "/metrics").text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
 
     def wait_running(self, value: float, timeout: float) -> float:
         """Poll the running-requests gauge until it equals value (or time runs out)."""

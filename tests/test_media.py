@@ -12,9 +12,14 @@ from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, Thread
 import numpy as np
 import pytest
 from PIL import Image
-
-from triptych.api.media import (MediaError, MediaLimits, afetch_bytes, fetch_bytes, load_image,
-                                load_video)
+from triptych.api.media import (
+    MediaError,
+    MediaLimits,
+    afetch_bytes,
+    fetch_bytes,
+    load_image,
+    load_video,
+)
 
 
 def png_bytes(w: int = 8, h: int = 8) -> bytes:
@@ -36,7 +41,7 @@ def http_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def redirector(http_root):
     class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(302)
             self.send_header("Location", f"http://localhost:{http_root}/img.png")
             self.end_headers()
@@ -213,3 +218,107 @@ def test_fetch_status_and_async_variant(http_root):
     assert data == png_bytes()
     with pytest.raises(MediaError, match="private"):
         asyncio.run(afetch_bytes(f"http://localhost:{http_root}/img.png", MediaLimits(), 1000))
+
+
+def test_symlink_swap_race_never_reads_outside_the_root(tmp_path):
+    """A directory under the root flips to a link to outside/ and back while files are
+    read through it: the walk with O_NOFOLLOW either reads the inside file or refuses."""
+    from triptych.api.media_sources import local_file
+
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f.bin").write_bytes(b"inside")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f.bin").write_bytes(b"SECRET")
+    os.symlink(tmp_path / "outside", root / "link")
+    lim = MediaLimits(allowed_local_media_path=str(root))
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            os.rename(root / "d", root / "parked")
+            os.rename(root / "link", root / "d")
+            os.rename(root / "d", root / "link")
+            os.rename(root / "parked", root / "d")
+
+    t = threading.Thread(target=swap)
+    t.start()
+    seen = set()
+    try:
+        for _ in range(3000):
+            try:
+                seen.add(local_file(str(root / "d" / "f.bin"), lim, 100))
+            except MediaError as e:
+                seen.add("outside" if "outside" in str(e) else "missing")
+    finally:
+        stop.set()
+        t.join(10)
+    assert b"SECRET" not in seen and b"inside" in seen
+
+
+def test_local_file_refusals(tmp_path):
+    from triptych.api.media_sources import local_file
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "big.bin").write_bytes(b"x" * 200)
+    os.mkfifo(root / "fifo")
+    lim = MediaLimits(allowed_local_media_path=str(root))
+    for path, msg in ((root / "sub", "not a regular file"), (root / "fifo", "not a regular"),
+                      (root / "nope.png", "not found"), (root / "big.bin", "byte limit"),
+                      (str(root) + "/./sub/../big.bin", "byte limit"), (root, "outside")):
+        with pytest.raises(MediaError, match=msg):
+            local_file(str(path), lim, 100)
+
+
+def test_pixel_caps_per_video_and_per_request():
+    from triptych.api.media import PixelBudget
+
+    video = make_video(2.0, size=64)  # 4 frames kept at 2 fps
+    with pytest.raises(MediaError, match="--max-video-pixels"):
+        load_video(data_url(video, "video/mp4"), MediaLimits(max_video_pixels=3 * 64 * 64))
+    lim = MediaLimits(budget=PixelBudget(4 * 64 * 64 + 8 * 8))
+    load_video(video, lim)  # encoded bytes are a source too
+    load_image(png_bytes(8, 8), lim)
+    with pytest.raises(MediaError, match="--max-request-pixels"):
+        load_image(png_bytes(8, 8), lim)  # the request's budget is spent
+    frames = np.zeros((6, 32, 32, 3), np.uint8)
+    with pytest.raises(MediaError, match="per video"):
+        load_video(frames, MediaLimits(max_video_pixels=5 * 32 * 32))
+
+
+def test_async_fetch_has_one_deadline():
+    """A server that trickles a byte every 0.2 s: the fetch ends at its deadline, not at
+    the per-read timeout times the number of reads."""
+    import time
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    lim = MediaLimits(allowed_domains=("127.0.0.1",), fetch_timeout_s=1.0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/x"
+    try:
+        for fetch in (lambda: asyncio.run(afetch_bytes(url, lim, 10_000)),
+                      lambda: fetch_bytes(url, lim, 10_000)):
+            t0 = time.monotonic()
+            with pytest.raises(MediaError, match="--media-fetch-timeout"):
+                fetch()
+            assert time.monotonic() - t0 < 2.5
+    finally:
+        httpd.shutdown()

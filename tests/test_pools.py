@@ -152,4 +152,28 @@ def test_serve_1e1p1d_equals_offline(e_p_d_server, tiny_qwen2_vl):
     assert h["status"] == "ok" and set(h["pools"]) == {"encode", "prefill", "decode"}
     import time
     time.sleep(0.6)  # the workers' stats (every 0.25 s) reach the router
-    assert e_p_d_server.metrics()["triptych:kv_transfer_bytes_total"] > 0
+    assert e_p_d_server.metric("triptych:kv_transfer_bytes_total") > 0
+
+
+def test_sigterm_with_every_pool_leaves_nothing(e_p_d_server):
+    """Runs last for this server: SIGTERM stops P0 and every pool's workers within 10 s;
+    no process (by pid), shared-memory segment or socket dir of any of them remains."""
+    import glob
+    import re
+    import time
+
+    from server_fixtures import _children, alive
+
+    sockets = re.findall(r"sockets in (\S+)", e_p_d_server.log_path.read_text())[0]
+    procs = sorted(set(e_p_d_server.descendants) | set(_children(e_p_d_server.proc.pid)))
+    pids = {str(p) for p in procs} | {str(e_p_d_server.proc.pid)}
+    assert len(procs) >= 3
+    t0 = time.time()
+    e_p_d_server.stop(signal.SIGTERM, timeout=10)
+    while time.time() - t0 < 10 and any(alive(p) for p in procs):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in procs)
+    assert not os.path.exists(sockets)
+    left = [p for p in glob.glob("/dev/shm/triptych-*") + glob.glob("/tmp/triptych-*")
+            if (m := re.match(r"triptych-(\d+)-", os.path.basename(p))) and m.group(1) in pids]
+    assert left == []

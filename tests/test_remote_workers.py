@@ -105,7 +105,7 @@ def test_a_worker_on_another_host_joins_and_serves(tiny_qwen2_vl, tmp_path):
             assert list(ex.map(ask, convs)) == wants
         served = {w["name"]: w["served"] for w in _decode_workers(s)}
         assert served["decode-h2"] >= 1 and served["decode-0"] >= 1, served
-        assert _wait(lambda: s.metrics()["triptych:kv_transfer_bytes_total"] > 0, 5)
+        assert _wait(lambda: s.metric("triptych:kv_transfer_bytes_total") > 0, 5)
 
         # The remote worker dies: the router notices (no heartbeat) and stops using it.
         procs[0].kill()

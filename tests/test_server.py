@@ -52,7 +52,8 @@ def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
                    "--block-size", "4", "--max-model-len", "512",
                    "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
                    "--allowed-local-media-path", str(media_dir), "--max-pending-requests", "2",
-                   "--allowed-domains", "127.0.0.1", "--served-model-name", "tiny")
+                   "--allowed-media-domains", "127.0.0.1", "--served-model-name", "tiny",
+                   "--max-n", "64")
     yield s
     s.stop()
     s.cleanup_descendants()

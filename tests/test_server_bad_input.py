@@ -169,12 +169,17 @@ def test_bad_bodies(server, name):
 
 def test_bad_completions(server):
     url = server.base + "/v1/completions"
-    for body, words in (({"prompt": "hi", "echo": True}, "echo"),
-                        ({"prompt": ["a", "b"]}, "one prompt"),
-                        ({"prompt": [10**9]}, "token ids"),
-                        ({"prompt": ""}, "empty")):
+    for body, param, words in (({"prompt": "hi", "echo": True, "logprobs": 1}, "echo",
+                                "prompt logprobs"),
+                               ({"prompt": [10**9]}, None, "token ids"),
+                               ({"prompt": [[1, 2], []]}, "prompt", "at least 1"),
+                               ({"prompt": []}, "prompt", ""),
+                               ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+                               ({"prompt": ""}, None, "empty")):
         r = httpx.post(url, json=body, timeout=30)
-        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        err = r.json()["error"]
+        assert r.status_code == 400 and words in err["message"], r.text
+        assert param is None or err["param"].startswith(param), err
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 

@@ -1,0 +1,49 @@
+"""Operator-set caps on media (bytes, pixels, frames, duration, fetch time) and the per-request
+pixel budget. A request may lower a cap (api/request_checks.py:media_limits), never raise it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MediaError(ValueError):
+    """Bad or refused media; the message is safe to show to the client."""
+
+
+class PixelBudget:
+    """Decoded pixels one request may still spend (images plus every kept video frame),
+    charged before decoding. One per request; a request is processed on one thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def charge(self, pixels: int) -> None:
+        if self.used + pixels > self.limit:
+            raise MediaError(f"the request's images and videos decode to more than "
+                             f"{self.limit} pixels (--max-request-pixels)")
+        self.used += pixels
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_image_bytes: int = 20 << 20  # encoded image size
+    max_image_pixels: int = 32_000_000  # width * height, checked before decoding (bombs)
+    max_video_bytes: int = 64 << 20  # encoded video size
+    max_video_frames: int = 32  # frames kept after sampling (rounded down to even)
+    video_fps: float = 2.0  # frames sampled per second of video
+    max_video_seconds: float = 300.0  # longer videos are refused
+    max_video_pixels: int = 128_000_000  # kept frames x width x height, per video
+    max_request_pixels: int = 256_000_000  # decoded pixels per request (with a budget)
+    fetch_timeout_s: float = 10.0  # whole download, connect and redirects included
+    max_redirects: int = 3
+    allowed_domains: tuple[str, ...] | None = None  # exact host names; None = any public host
+    allowed_local_media_path: str | None = None  # local paths only under this directory
+    allow_private_addresses: bool = False  # allow URLs resolving to private/loopback addresses
+    budget: PixelBudget | None = None  # this request's pixel budget (None: per-item caps only)
+
+    def charge(self, pixels: int) -> None:
+        if self.budget is not None:
+            self.budget.charge(pixels)
+
+
+__all__ = ["MediaError", "MediaLimits", "PixelBudget"]

@@ -1,0 +1,133 @@
+"""From a validated request body to engine jobs: admission, media fetching, the processor
+(chat template, tokenizer, images and videos, in a worker thread), truncation, sampling
+parameters. Cheap checks come first (api/request_checks.py), so a request that will be
+refused costs no fetch, no decode and no tokenization.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from triptych.api.errors import APIError
+from triptych.api.media import MediaError, PixelBudget
+from triptych.api.media_prefetch import MediaFetcher
+from triptych.api.openai_format import PromptInfo
+from triptych.api.processor import InputProcessor, ProcessedPrompt
+from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
+from triptych.api.request_checks import (
+    ServerLimits,
+    check_chat,
+    check_completion,
+    media_limits,
+    sampling_params,
+    template_kwargs,
+)
+from triptych.api.serving import Admission, Job, Slots
+from triptych.api.truncation import keep_count, truncate
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.text for p in content or [] if p.type == "text")
+
+
+def _mm_tokens(prompt: ProcessedPrompt) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for it in prompt.mm_items:
+        out[it.modality] = out.get(it.modality, 0) + it.length
+    return out
+
+
+class InputStage:
+    def __init__(self, processor: InputProcessor, limits: ServerLimits, admission: Admission,
+                 fetcher: MediaFetcher, alive: Callable[[], bool]) -> None:
+        self.processor, self.limits, self.admission = processor, limits, admission
+        self.fetcher, self.alive = fetcher, alive
+        self.num_mm_items = 0  # images/videos processed (the processor cache's queries)
+
+    def _admit(self, k: int) -> Slots:
+        if not self.alive():
+            raise APIError(503, "the engine is not running", "server_error")
+        return self.admission.reserve(k)
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        from jinja2 import TemplateError
+
+        try:  # media decoding, the HF processor and the tokenizer: off the event loop
+            return await anyio.to_thread.run_sync(fn)
+        except ValueError as e:  # MediaError included: its message is meant for clients
+            raise APIError(400, str(e)) from None
+        except TemplateError as e:  # the template's raise_exception(...) speaks to clients
+            raise APIError(400, f"the chat template refused the messages: {e}",
+                           param="messages") from None
+
+    def _finish(self, body: Any, prompt: ProcessedPrompt, logprobs: int | None, param: str
+                ) -> tuple[ProcessedPrompt, Any]:
+        """Truncate if asked, check the length, build the sampling parameters."""
+        if body.truncate_prompt_tokens is not None:
+            keep = keep_count(body.truncate_prompt_tokens, self.limits.max_model_len,
+                              body.requested_max_tokens[1])
+            prompt = truncate(prompt, keep, body.truncation_side or "left")
+        n = len(prompt.prompt_token_ids)
+        if n >= self.limits.max_model_len:  # (the processor checks it when not truncating)
+            raise APIError(400, f"the prompt has {n} tokens but max_model_len is "
+                                f"{self.limits.max_model_len}", param=param)
+        self.num_mm_items += len(prompt.mm_items)
+        return prompt, sampling_params(body, n, self.limits, logprobs)
+
+    async def chat(self, body: ChatCompletionRequest) -> tuple[list[Job], Slots]:
+        check_chat(body, self.limits)
+        messages = body.message_dicts()
+        media = media_limits(body, self.limits.media)
+        media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
+        view = self.processor.for_request(media, body.truncate_prompt_tokens is None)
+        add_generation = body.add_generation_prompt
+        if add_generation is None:
+            add_generation = not body.continue_final_message
+        kwargs = template_kwargs(body)
+        last = body.messages[-1]
+        echo = _text(last.content) if body.echo and last.role == "assistant" else ""
+        slots = self._admit(1)
+        try:
+            try:
+                await self.fetcher.prefetch(messages, media)
+            except MediaError as e:
+                raise APIError(400, str(e), param="messages") from None
+            prompt = await self._run(lambda: view.process_chat(
+                messages, add_generation_prompt=add_generation,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=kwargs))
+            prompt, sp = self._finish(body, prompt, (body.top_logprobs or 0)
+                                      if body.logprobs else None, "messages")
+        except BaseException:
+            slots.release_all()
+            raise
+        info = PromptInfo(prompt.prompt_token_ids, echo=echo, mm_tokens=_mm_tokens(prompt))
+        return [Job(prompt, sp, info)], slots
+
+    async def completion(self, body: CompletionRequest) -> tuple[list[Job], Slots]:
+        check_completion(body, self.limits)
+        prompts = body.prompts()
+        view = self.processor.for_request(None, body.truncate_prompt_tokens is None)
+        decode = self.processor.tokenizer.decode
+        slots = self._admit(len(prompts))
+        try:
+            processed = await self._run(lambda: [view.process_prompt(p) for p in prompts])
+            jobs = []
+            for p, pp in zip(prompts, processed):
+                pp, sp = self._finish(body, pp, body.logprobs, "prompt")
+                echo = ""
+                if body.echo:  # the prompt as given, or as kept after truncation
+                    echo = p if isinstance(p, str) and pp.prompt_text is not None else \
+                        decode(pp.prompt_token_ids)
+                jobs.append(Job(pp, sp, PromptInfo(pp.prompt_token_ids, echo=echo)))
+        except BaseException:
+            slots.release_all()
+            raise
+        return jobs, slots
+
+
+__all__ = ["InputStage"]

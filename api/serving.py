@@ -1,0 +1,248 @@
+"""Running the engine requests of one HTTP request and writing the answer.
+
+    jobs (one per prompt) -> Generation: submit each, merge their deltas
+                          -> whole JSON body, or SSE chunks (one choice per chunk)
+
+A refusal by the engine before any output becomes a 400 (503 if the engine is gone); a
+failure later ends the stream with an error event. A client that goes away (stream or
+not) has its requests aborted in the engine. Admission slots are released when each
+engine request's stream ends, whatever the HTTP side did.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from triptych.api.router import EngineDeadError
+from triptych.api.errors import APIError
+from triptych.api.metrics import Metrics, RequestTimes
+from triptych.api.openai_format import Choice, Formatter, PromptInfo
+from triptych.api.processor import ProcessedPrompt
+from triptych.engine import wire
+from triptych.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("triptych.api")
+DISCONNECT_CHECK_S = 0.5  # how often a waiting request looks for a gone client
+
+
+@dataclass
+class Job:
+    """One prompt of a request: what goes to the engine and what the answer says of it."""
+
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    info: PromptInfo
+
+
+class Admission:
+    """The bounded queue: engine requests admitted and not yet ended, at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+
+    def reserve(self, k: int) -> Slots:
+        if self.active + k > self.limit:
+            raise APIError(503, "the server is overloaded; retry shortly", "server_error",
+                           headers={"Retry-After": "1"})
+        self.active += k
+        return Slots(self, k)
+
+
+class Slots:
+    def __init__(self, admission: Admission, k: int) -> None:
+        self._a, self.held = admission, k
+
+    def release(self, k: int = 1) -> None:
+        k = min(k, self.held)
+        self.held -= k
+        self._a.active -= k
+
+    def release_all(self) -> None:
+        self.release(self.held)
+
+
+class Generation:
+    """The engine streams of one HTTP request, submitted together, deltas merged."""
+
+    def __init__(self, client: Any, rid: str, jobs: list[Job], slots: Slots) -> None:
+        self.client, self.rid, self.jobs, self.slots = client, rid, jobs, slots
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._buffer: list[tuple[int, Any]] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def _pump(self, i: int, stream: AsyncIterator[wire.RequestDelta]) -> None:
+        try:
+            async for d in stream:
+                self._q.put_nowait((i, d))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
+            self._q.put_nowait((i, e))
+
+    async def start(self) -> None:
+        """Submit every job; return once each has its first output (raise if refused)."""
+        for i, job in enumerate(self.jobs):
+            rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{i}"
+            stream = self.client.submit(rid, job.prompt, job.params)
+            task = asyncio.ensure_future(self._pump(i, stream))
+            task.add_done_callback(lambda _: self.slots.release())
+            self._tasks.append(task)
+        seen: set[int] = set()
+        while len(seen) < len(self.jobs):
+            i, item = await self._q.get()
+            if isinstance(item, Exception):
+                await self.aclose()
+                raise _refusal(item)
+            seen.add(i)
+            self._buffer.append((i, item))
+
+    async def next(self, timeout: float) -> tuple[int, Any] | None:
+        """The next (job index, delta or error); None when nothing came within timeout."""
+        if self._buffer:
+            return self._buffer.pop(0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            return await asyncio.wait_for(self._q.get(), timeout)
+        return None
+
+    async def aclose(self) -> None:
+        """Abort what is still running (shielded: a disconnect cancels our caller)."""
+        with anyio.CancelScope(shield=True):
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Responder:
+    """Writes one request's answer from its Generation, recording its metrics."""
+
+    def __init__(self, gen: Generation, fmt: Formatter, metrics: Metrics, raw: Request,
+                 n: int) -> None:
+        self.gen, self.fmt, self.metrics, self.raw, self.n = gen, fmt, metrics, raw, n
+        now = time.monotonic()
+        self.times = [RequestTimes(now, n) for _ in gen.jobs]
+        self.infos = [job.info for job in gen.jobs]
+        self._seen: set[int] = set()
+        self.num_tokens = 0
+        for job in gen.jobs:
+            metrics.request_submitted(n, job.params.max_tokens, job.params.max_tokens or 0)
+
+    def _account(self, i: int, d: wire.RequestDelta) -> None:
+        self.infos[i].num_cached_tokens = d.num_cached_tokens
+        if i not in self._seen:
+            self._seen.add(i)
+            self.metrics.prompt_seen(d.num_prompt_tokens, d.num_cached_tokens)
+        for c in d.completions:
+            self.num_tokens += len(c.token_ids)
+            if c.token_ids:
+                self.metrics.tokens_arrived(self.times[i], c.index, len(c.token_ids))
+            if c.finish_reason:
+                self.metrics.completion_finished(self.times[i], c.index, c.finish_reason)
+
+    def _end_unfinished(self, reason: str) -> None:
+        for t in self.times:
+            for idx in range(self.n):
+                self.metrics.completion_finished(t, idx, reason)
+
+    async def _events(self, on_delta: Callable[[int, wire.RequestDelta], Any]
+                      ) -> AsyncIterator[Any]:
+        """Deltas in arrival order (each passed to on_delta), until all jobs finished."""
+        done, next_check = 0, time.monotonic() + DISCONNECT_CHECK_S
+        while done < len(self.gen.jobs):
+            item = await self.gen.next(DISCONNECT_CHECK_S)
+            if time.monotonic() >= next_check:  # however busy the stream is
+                next_check = time.monotonic() + DISCONNECT_CHECK_S
+                if await self.raw.is_disconnected():
+                    raise _ClientGone
+            if item is None:
+                continue
+            i, d = item
+            if isinstance(d, Exception):
+                raise d
+            self._account(i, d)
+            yield on_delta(i, d)
+            done += d.finished
+
+    async def whole(self) -> Response:
+        choices = [Choice() for _ in range(len(self.gen.jobs) * self.n)]
+
+        def add(i: int, d: wire.RequestDelta) -> None:
+            for c in d.completions:
+                choices[i * self.n + c.index].add(c)
+
+        try:
+            async for _ in self._events(add):
+                pass
+        except _ClientGone:
+            logger.info("client gone; aborting %s", self.gen.rid)
+            self._end_unfinished("abort")
+            return Response(status_code=499)  # nobody reads it
+        except Exception as e:  # noqa: BLE001 - failed mid-way
+            self._end_unfinished("error")
+            err = _refusal(e)
+            raise APIError(503 if err.status == 503 else 500, err.message, "server_error"
+                           ) from None
+        finally:
+            await self.gen.aclose()
+        return JSONResponse(self.fmt.whole(self.infos, choices))
+
+    def stream(self, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
+        return StreamingResponse(self._sse(include_usage, continuous_usage),
+                                 media_type="text/event-stream")
+
+    async def _sse(self, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+        fmt, offsets = self.fmt, [len(p.echo) for p in self.infos for _ in range(self.n)]
+        extra = {"prompt_token_ids": self.infos[0].token_ids} \
+            if fmt.s.chat and fmt.s.token_ids else {}
+        for k, ch in enumerate(fmt.opening(self.infos)):
+            yield fmt.sse([ch], **(extra if k == 0 else {}))
+
+        def chunks(i: int, d: wire.RequestDelta) -> list[str]:
+            out = []
+            for c in d.completions:
+                idx = i * self.n + c.index
+                usage = fmt.usage(self.infos, self.num_tokens) if continuous else None
+                out.append(fmt.sse([fmt.chunk_choice(idx, c, offsets[idx])], usage))
+                offsets[idx] += len(c.text)
+            return out
+
+        try:
+            async for batch in self._events(chunks):
+                for chunk in batch:
+                    yield chunk
+        except _ClientGone:
+            self._end_unfinished("abort")
+            return
+        except Exception as e:  # noqa: BLE001 - failed mid-way: say so, end
+            self._end_unfinished("error")
+            err = _refusal(e)
+            yield fmt.sse_error(503 if err.status == 503 else 500, err.message, "server_error")
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            self._end_unfinished("abort")  # (no-op for completions that finished)
+            await self.gen.aclose()
+        if include_usage:
+            yield fmt.sse([], fmt.usage(self.infos, self.num_tokens))
+        yield "data: [DONE]\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _refusal(e: Exception) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error")
+    if isinstance(e, ValueError):  # the engine refused the input; its words are for clients
+        return APIError(400, str(e))
+    logger.error("engine request failed", exc_info=e)
+    return APIError(500, "internal server error", "server_error")
+
+
+__all__ = ["Admission", "Generation", "Job", "Responder", "Slots"]
