@@ -202,6 +202,21 @@ def test_size_rules():
         check_tp_sizes(cfg(kv=3, heads=12, inter=66), 4, "data")
 
 
+def test_a_model_that_cannot_split_images_falls_back_to_weights(caplog):
+    from triptych.models import Qwen2VLForCausalLM
+    from triptych.models.tp_plan import resolve_encoder_mode
+
+    class NoSplit:  # a model class without supports_encoder_data_parallel
+        pass
+
+    assert resolve_encoder_mode(Qwen2VLForCausalLM, "data", 2) == "data"
+    with caplog.at_level("INFO", logger="triptych.models"):
+        assert resolve_encoder_mode(NoSplit, "data", 2) == "weights"
+    assert [r.message for r in caplog.records if "falls back" in r.message] == [
+        "NoSplit cannot split images across ranks; mm_encoder_tp_mode falls back to weights"]
+    assert resolve_encoder_mode(NoSplit, "data", 1) == "data"  # nothing to split at TP=1
+
+
 # -- failure ----------------------------------------------------------------------------------
 def test_kill_a_rank_ends_the_group_cleanly(tiny_qwen2_vl):
     llm = LLM(tiny_qwen2_vl, tensor_parallel_size=2, block_size=4, max_model_len=4096)
