@@ -34,6 +34,7 @@ _HELP_SKIP = {"model"}
 FLAG_SPELLINGS = {
     "num_kv_blocks": ("--num-gpu-blocks-override", "--num-kv-blocks"),
     "kv_cache_memory": ("--kv-cache-memory", "--kv-cache-memory-bytes"),
+    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -144,7 +145,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
         hint = hints[f.name]
         if hint is bool:
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads"):
+        elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
+                f.name.endswith("_tensor_parallel_size"):
             g.add_argument(*flags, type=int, **kw)
         elif hint is float:
             g.add_argument(*flags, type=float, **kw)

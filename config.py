@@ -49,17 +49,20 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (vLLM: num_gpu_blocks_override; testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
-    tensor_parallel_size: int = 1  # ranks sharing each layer's weights (only 1 is supported yet)
+    tensor_parallel_size: int = 1  # processes (one per GPU) sharing each worker's layers: every worker becomes a group of this many ranks
     data_parallel_size: int = 1  # colocated engine replicas (worker processes) behind one router
     encode_workers: int = 0  # encode pool size (vision tower); 0: the prefill (or decode) workers encode
     prefill_workers: int = 0  # prefill pool size; 0 with decode_workers > 0: decode workers prefill too (E+PD)
     decode_workers: int = 0  # decode pool size; all three 0: the colocated engine
+    encode_tensor_parallel_size: int | None = None  # ranks of each encode worker (default: tensor_parallel_size)
+    prefill_tensor_parallel_size: int | None = None  # ranks of each prefill worker (default: tensor_parallel_size)
+    decode_tensor_parallel_size: int | None = None  # ranks of each decode worker (default: tensor_parallel_size)
     kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | inproc | shm | tcp (auto: shm on one host)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
     kv_transfer_host: str = "127.0.0.1"  # kv_transfer=tcp: address this host's workers bind their data endpoints to
     worker_address: str | None = None  # tcp://HOST:PORT where pool workers on other hosts register (off unless set; needs worker_keys)
     worker_keys: str | None = None  # CURVE key directory made by `triptych keys` (the router's key is named router)
-    mm_encoder_tp_mode: str = "weights"  # weights: shard the vision tower; data: split images across ranks (takes effect with tensor_parallel_size > 1, not supported yet)
+    mm_encoder_tp_mode: str = "weights"  # vision tower of a tensor-parallel worker: weights shards its layers across the ranks; data keeps it whole on every rank and splits each batch of images across them by patch count
     mm_processor_cache_gb: float = 4.0  # GiB of processed pixels each side of the processor cache may hold (0 disables both sides)
     mm_processor_cache_type: str = "lru"  # lru: P0 keeps keys, each worker keeps the tensors | shm: P0 writes a shared-memory ring every worker on the host reads
     encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
@@ -81,6 +84,16 @@ class EngineConfig:
         for name in ("data_parallel_size", "encode_workers", "prefill_workers", "decode_workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer")
+        for name in ("tensor_parallel_size", "encode_tensor_parallel_size",
+                     "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for pool in ("encode", "prefill", "decode"):
+            if getattr(self, f"{pool}_tensor_parallel_size") is not None and \
+                    not getattr(self, f"{pool}_workers"):
+                raise ValueError(f"{pool}_tensor_parallel_size needs {pool}_workers > 0 (the "
+                                 "colocated engine's ranks are tensor_parallel_size)")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
         if self.prefill_workers and not self.decode_workers:
@@ -121,6 +134,11 @@ class EngineConfig:
         for k, v in self.limit_mm_per_prompt.items():
             if k not in ("image", "video") or not isinstance(v, int) or v < 0:
                 raise ValueError(f"limit_mm_per_prompt: bad entry {k!r}: {v!r}")
+
+    def pool_tensor_parallel_size(self, pool: str) -> int:
+        """Ranks of each worker of ``pool`` (colocated | encode | prefill | decode)."""
+        own = None if pool == "colocated" else getattr(self, f"{pool}_tensor_parallel_size")
+        return own or self.tensor_parallel_size
 
     @classmethod
     def field_names(cls) -> list[str]:

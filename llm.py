@@ -1,9 +1,9 @@
 """LLM: the offline entry point for batch jobs (OCR pipelines, evaluations).
 
 By default the engine runs in this process. With pool knobs (``encode_workers``,
-``prefill_workers``, ``decode_workers``) or ``data_parallel_size > 1`` the same router and
-worker processes as ``triptych serve``'s run the batch (``llm.close()`` stops them; they
-also stop when this process exits).
+``prefill_workers``, ``decode_workers``), ``data_parallel_size > 1`` or
+``tensor_parallel_size > 1`` the same router and worker processes as ``triptych serve``'s
+run the batch (``llm.close()`` stops them; they also stop when this process exits).
 
     from triptych import LLM, SamplingParams
     llm = LLM(model="/path/to/checkpoint", max_num_seqs=64)
@@ -42,7 +42,7 @@ class LLM:
         self.engine: LLMEngine | None = None
         self.pools = None  # RouterThread when the work runs in worker processes
         self._local_pixels = None  # the processor cache of the in-process engine
-        in_process = str(self.layout) == "colocated x1"
+        in_process = self.layout.in_process
         if in_process:
             self.engine = LLMEngine(self.config)
             tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len

@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from triptych.config import EngineConfig
 
@@ -17,14 +17,27 @@ from triptych.config import EngineConfig
 @dataclass(frozen=True)
 class Layout:
     pools: dict[str, int]  # pool name -> workers, in request order (encode, prefill, decode)
+    tp: dict[str, int] = field(default_factory=dict)  # pool name -> ranks of each worker
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Layout:
         if not config.decode_workers:
-            return cls({"colocated": config.data_parallel_size})
-        pools = {"encode": config.encode_workers, "prefill": config.prefill_workers,
-                 "decode": config.decode_workers}
-        return cls({k: v for k, v in pools.items() if v})
+            pools = {"colocated": config.data_parallel_size}
+        else:
+            pools = {k: v for k, v in {"encode": config.encode_workers,
+                                       "prefill": config.prefill_workers,
+                                       "decode": config.decode_workers}.items() if v}
+        return cls(pools, {p: config.pool_tensor_parallel_size(p) for p in pools})
+
+    @property
+    def in_process(self) -> bool:
+        """One colocated single-rank engine: the offline LLM runs it in its own process."""
+        return self.pools == {"colocated": 1} and self.tp.get("colocated", 1) == 1
+
+    @property
+    def num_ranks(self) -> int:
+        """Torch processes of all workers (each worker is a group of its pool's TP size)."""
+        return sum(n * self.tp.get(p, 1) for p, n in self.pools.items())
 
     @property
     def main_pool(self) -> str:
@@ -55,7 +68,9 @@ class Layout:
         return [p for p in self.pools if has_media or p != "encode"]
 
     def __str__(self) -> str:
+        tp = {p: t for p, t in self.tp.items() if t > 1}
+        ranks = (" (" + ", ".join(f"{p} tp{t}" for p, t in tp.items()) + ")") if tp else ""
         if "colocated" in self.pools:
-            return f"colocated x{self.pools['colocated']}"
+            return f"colocated x{self.pools['colocated']}{ranks}"
         name = "".join(f"{n}{p[0]}" for p, n in self.pools.items())
-        return name if self.has_prefill_pool else f"{name} (decode workers prefill)"
+        return (name if self.has_prefill_pool else f"{name} (decode workers prefill)") + ranks

@@ -119,12 +119,18 @@ class Router:
         self.pixels = PixelPlanner(config.mm_processor_cache_type,
                                    processor_cache_bytes(config.mm_processor_cache_gb), processor)
         self.layout = Layout.from_config(config)
+        from triptych.models.tp_plan import check_layout_tp
+
+        check_layout_tp(config)  # a model that cannot split is refused before any process
         self.outputs = OutputProcessor(tokenizer)
         self._start_timeout_s = start_timeout_s
-        # Each worker's torch threads: the knob, else this host's cores split between them.
-        self._threads = divide_cores(self.layout.num_workers)
+        # Each worker's torch threads: the knob, else this host's cores split between all
+        # ranks; a tensor-parallel worker gets its ranks' shares and splits them again.
+        ranks = [self.layout.tp[p] for p, n in self.layout.pools.items() for _ in range(n)]
+        shares = iter(divide_cores(sum(ranks)))
+        self._threads = [sum(next(shares) for _ in range(r)) for r in ranks]
         if threads_per_worker or config.cpu_threads:
-            self._threads = [threads_per_worker or config.cpu_threads] * self.layout.num_workers
+            self._threads = [(threads_per_worker or config.cpu_threads) * r for r in ranks]
         self._parents: dict[str, _Parent] = {}
         self._by_core_id: dict[str, _Child] = {}  # the current attempt of each child
         self._children: dict[str, _Child] = {}  # by child id
@@ -159,7 +165,8 @@ class Router:
         threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
             for i in range(n):
-                w = Worker(pool, i, config, next(threads))
+                w = Worker(pool, i, dict(config, tensor_parallel_size=self.layout.tp[pool]),
+                           next(threads))
                 self._load[w] = 0
                 self._prefix[w] = PrefixIndex(1)
                 self._embeds[w] = PrefixIndex(1)

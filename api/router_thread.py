@@ -28,9 +28,9 @@ class RouterThread:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="triptych-router")
         self._thread.start()
-        self.router = Router(config, tokenizer, processor=processor)
         self._closed = False
         try:
+            self.router = Router(config, tokenizer, processor=processor)
             self._call(self.router.start())
         except BaseException:
             self._stop_loop()

@@ -138,7 +138,7 @@ class KVReceiver:
             raise ValueError(f"KV for unknown request {hdr.request_id!r}")
         k_cache = self.core.runner.kv_caches[0][0]
         n = data.shape[2] if data.dim() == 6 else -1
-        want = (len(self.core.runner.kv_caches), 2, n, *k_cache.shape[1:])
+        want = (len(self.core.runner.kv_caches), 2, n, *self.core.runner.kv_block_shape)
         if data.dim() != 6 or tuple(data.shape) != want or data.dtype != k_cache.dtype:
             raise ValueError(f"KV chunk {tuple(data.shape)} {data.dtype} does not match the "
                              f"cache layout {want} {k_cache.dtype}")
@@ -146,11 +146,8 @@ class KVReceiver:
             raise ValueError(f"KV chunk covers blocks [{hdr.first_block}, {hdr.first_block + n})"
                              f"; expected from {held.received} within {held.num_blocks}")
         if n:
-            idx = torch.tensor([b.block_id for b in held.blocks[hdr.first_block:hdr.first_block + n]],
-                               device=k_cache.device)
-            for layer, (kc, vc) in enumerate(self.core.runner.kv_caches):
-                kc.index_copy_(0, idx, data[layer, 0].to(kc.device))
-                vc.index_copy_(0, idx, data[layer, 1].to(vc.device))
+            self.core.runner.write_blocks(
+                [b.block_id for b in held.blocks[hdr.first_block:hdr.first_block + n]], data)
             held.received += n
             self.bytes_received += data.numel() * data.element_size()
         self.histogram.observe(seconds)

@@ -191,6 +191,7 @@ class DecodeWorker(Handler):
         self.pixels.close()
         if self.connector is not None:
             self.connector.close()
+        self.core.close()
 
 
 if __name__ == "__main__":

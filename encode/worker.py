@@ -26,6 +26,8 @@ from triptych.engine.data_endpoint import data_endpoint
 from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtype
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
+from triptych.engine.tp_group import start_group
+from triptych.engine.tp_runner import TPEncoder
 from triptych.engine.worker_loop import Handler, WorkerSpec, main
 from triptych.mmcache.consumer import WorkerPixels
 
@@ -50,10 +52,16 @@ class EncodeWorker(Handler):
         hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
         backend = resolve_backend(config.attention_backend, device.type)
-        model, hf = load_model(config.model, dtype, str(device), backend)
         self.shape = ModelShape.from_hf(hf)
-        self.runner = EncoderRunner(model.encode_images, EncoderCache(config.encoder_cache_size),
-                                    device, dtype)
+        # tensor_parallel_size > 1: rank 0 of a group that runs the tower together
+        self.group = start_group(config, hf, "encode", device)
+        model, hf = load_model(config.model, dtype, str(device), backend,
+                               tp=self.group.ctx if self.group else None,
+                               shard_vision=self.group is None or self.group.encoder_mode == "weights")
+        encode_fn = model.encode_images if self.group is None else \
+            TPEncoder(self.group, model, self.shape.hidden_size, dtype)
+        self.runner = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
+                                    dtype)
         self.connector = data_endpoint(config, spec)
         self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self._jobs: list[_Job] = []
@@ -151,6 +159,8 @@ class EncodeWorker(Handler):
     def close(self) -> None:
         self.pixels.close()
         self.connector.close()
+        if self.group is not None:
+            self.group.close()
 
 
 if __name__ == "__main__":

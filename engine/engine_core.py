@@ -24,12 +24,14 @@ from triptych.encode import EncoderCache, EncoderRunner
 from triptych.engine.kv_cache_manager import KVCacheManager
 from triptych.engine.model_runner import ModelRunner
 from triptych.engine.outputs import EngineCoreOutput
-from triptych.engine.timings import RequestTimings
 from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler, SchedulerOutput
+from triptych.engine.timings import RequestTimings
+from triptych.engine.tp_group import start_group
 from triptych.engine.validate import validate_request
 from triptych.kernels import get_ops, resolve_backend
+from triptych.models.parallel import TPGroupError
 
 logger = logging.getLogger("triptych.engine")
 
@@ -57,6 +59,33 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> to
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
     """The knob, or the checkpoint's positions capped at 8192 (CPU-friendly default)."""
     return config.max_model_len or min(max_position_embeddings, 8192)
+
+
+def num_kv_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
+                  device: torch.device, tp_size: int = 1) -> int:
+    """KV blocks of one engine: ``num_kv_blocks``, else what the memory budget holds.
+
+    A block of a tensor-parallel group is split over its ranks by KV heads (replicated when
+    heads are fewer than ranks). On CUDA each rank's device has its own budget; on the CPU
+    the ranks share the host, so kv_cache_memory is the whole group's."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    from triptych.models.tp_plan import local_kv_heads
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    heads = local_kv_heads(shape.num_kv_heads, tp_size)
+    per_block = 2 * shape.num_layers * config.block_size * heads * shape.head_dim * elem
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
+    else:
+        budget = parse_size(config.kv_cache_memory)
+        per_block *= tp_size
+    n = budget // per_block
+    if n < 2:
+        raise ValueError(f"KV cache budget {budget} bytes holds no blocks ({per_block} bytes "
+                         "each): raise kv_cache_memory or gpu_memory_utilization")
+    return int(n)
 
 
 @dataclass(frozen=True)
@@ -98,41 +127,37 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         from transformers import AutoConfig
-        from triptych.models import compute_mrope_positions, load_model
+        from triptych.models import compute_mrope_positions
 
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; run one engine "
-                             "per device")
         self.config = config
         self.device = resolve_device(config.device)
         self._mrope = compute_mrope_positions
         backend = resolve_backend(config.attention_backend, self.device.type)
         hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
         self.dtype = resolve_dtype(config.dtype, self.device, getattr(hf, "dtype", None))
-        self.model, self.hf_config = load_model(config.model, self.dtype, str(self.device), backend)
-        self.shape = ModelShape.from_hf(self.hf_config)
+        self.shape = ModelShape.from_hf(hf)
         self.max_model_len = resolve_max_model_len(config, self.shape.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         self.eos_token_id = eos_token_id
-        self.num_blocks = self._num_kv_blocks()
+        # tensor_parallel_size > 1: this process is rank 0 of a group it starts here
+        self.group = start_group(config, hf, "engine", self.device)
+        try:
+            self._load(config, backend)
+        except BaseException:
+            self.close()
+            raise
         elem = torch.tensor([], dtype=self.dtype).element_size()
+        # one block of every layer, K and V, all KV heads (a group's ranks hold a slice each)
         self.block_bytes = (2 * self.shape.num_layers * config.block_size * self.shape.num_kv_heads
-                            * self.shape.head_dim * elem)  # one block of every layer, K and V
+                            * self.shape.head_dim * elem)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
-        self.encoder = EncoderRunner(self.model.encode_images, EncoderCache(config.encoder_cache_size),
-                                     self.device, self.dtype)
-        self.runner = ModelRunner(
-            self.model, self.encoder, num_blocks=self.num_blocks, block_size=config.block_size,
-            num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads,
-            head_dim=self.shape.head_dim, dtype=self.dtype, device=self.device,
-            ops=get_ops(backend), seed=config.seed)
         self.attention_backend = backend
         self.hidden_size = self.shape.hidden_size
         self.last_preempted: list[str] = []  # request ids the last step preempted
@@ -141,25 +166,46 @@ class EngineCore:
         self.num_failed_steps = 0  # steps whose batch had to be bisected
         self.timings = RequestTimings()
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
-                    "max_model_len %d", config.model, self.device, self.dtype, backend,
-                    self.num_blocks, config.block_size, self.max_model_len)
+                    "max_model_len %d%s", config.model, self.device, self.dtype, backend,
+                    self.num_blocks, config.block_size, self.max_model_len,
+                    f", {config.tensor_parallel_size} tensor-parallel ranks" if self.group else "")
 
-    def _num_kv_blocks(self) -> int:
-        c, s = self.config, self.shape
-        if c.num_kv_blocks:
-            return c.num_kv_blocks
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * s.num_layers * c.block_size * s.num_kv_heads * s.head_dim * elem
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * c.gpu_memory_utilization) - (total - free) - (1 << 30)
-        else:
-            budget = parse_size(c.kv_cache_memory)
-        n = budget // per_block
-        if n < 2:
-            raise ValueError(f"KV cache budget {budget} bytes holds no blocks ({per_block} bytes "
-                             "each): raise kv_cache_memory or gpu_memory_utilization")
-        return int(n)
+    def _load(self, config: EngineConfig, backend: str) -> None:
+        """Model, KV block count, encoder runner and model runner: this process's own, or
+        rank 0's part of the group's (the other ranks load theirs in engine/tp_rank.py)."""
+        from triptych.models import load_model
+        from triptych.models.tp_plan import local_kv_heads
+
+        g = self.group
+        self.model, self.hf_config = load_model(
+            config.model, self.dtype, str(self.device), backend, tp=g.ctx if g else None,
+            shard_vision=g is None or g.encoder_mode == "weights")
+        tp = config.tensor_parallel_size
+        self.num_blocks = num_kv_blocks(config, self.shape, self.dtype, self.device, tp)
+        cache = EncoderCache(config.encoder_cache_size)
+        kw: dict[str, Any] = {
+            "num_blocks": self.num_blocks, "block_size": config.block_size,
+            "num_layers": self.shape.num_layers, "head_dim": self.shape.head_dim,
+            "dtype": self.dtype, "device": self.device, "ops": get_ops(backend),
+            "seed": config.seed}
+        if g is None:
+            self.encoder = EncoderRunner(self.model.encode_images, cache, self.device, self.dtype)
+            self.runner = ModelRunner(self.model, self.encoder,
+                                      num_kv_heads=self.shape.num_kv_heads, **kw)
+            return
+        from triptych.engine.tp_runner import TPEncoder, TPModelRunner
+
+        kw["num_blocks"] = self.num_blocks = g.ctx.min_int(self.num_blocks)  # ranks agree
+        self.encoder = EncoderRunner(TPEncoder(g, self.model, self.shape.hidden_size, self.dtype),
+                                     cache, self.device, self.dtype)
+        self.runner = TPModelRunner(g, self.model, self.encoder,
+                                    num_kv_heads=local_kv_heads(self.shape.num_kv_heads, tp),
+                                    num_kv_heads_total=self.shape.num_kv_heads, **kw)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do for a single-process engine)."""
+        if self.group is not None:
+            self.group.close()
 
     # -- requests ---------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -233,6 +279,8 @@ class EngineCore:
         try:
             sampled, logprobs = self.runner.execute(sched, block_ids)
             failed: list[Request] = []
+        except TPGroupError:
+            raise  # the group is out of step: the worker stops, the supervisor restarts it
         except Exception:
             logger.exception("a step of %d requests failed; isolating the cause",
                              len(sched.scheduled))
@@ -265,6 +313,8 @@ class EngineCore:
             try:
                 s, lp = self.runner.execute(
                     SchedulerOutput(part, sum(n for _, n in part)), block_ids)
+            except TPGroupError:
+                raise
             except Exception:
                 if len(part) == 1:
                     failed.append(part[0][0])
@@ -295,10 +345,9 @@ class EngineCore:
         ids = [b.block_id for b in self.kv.handed_off.get(request_id, [])]
         if not ids:
             raise KeyError(f"no handed-off KV for request {request_id!r}")
-        idx = torch.tensor(ids, device=self.device)
-        out = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.runner.kv_caches]
+        data = self.runner.read_blocks(ids)  # [L, 2, n, block_size, Hkv, D]
         self.kv.release_blocks(request_id)
-        return out
+        return [(layer[0], layer[1]) for layer in data]
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                        params: SamplingParams, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -311,7 +360,7 @@ class EngineCore:
         positions, delta = self.check_request(prompt_token_ids, params, mm_items, [first_token])
         n_blocks = -(-len(prompt_token_ids) // self.config.block_size)
         if len(kv) != self.shape.num_layers or any(
-                k.shape != (n_blocks, *self.runner.kv_caches[0][0].shape[1:]) for k, _ in kv):
+                k.shape != (n_blocks, *self.runner.kv_block_shape) for k, _ in kv):
             raise ValueError("imported KV does not match this model's cache layout")
         if not self.kv.pool.can_allocate(n_blocks):
             raise RuntimeError("no free KV blocks for the imported request; retry later")
@@ -321,10 +370,8 @@ class EngineCore:
         req.output_token_ids.append(first_token)
         req.num_resumed_tokens = 1
         blocks = self.kv.pool.allocate(n_blocks)
-        idx = torch.tensor([b.block_id for b in blocks], device=self.device)
-        for (kc, vc), (k, v) in zip(self.runner.kv_caches, kv):
-            kc.index_copy_(0, idx, k.to(kc.device, kc.dtype))
-            vc.index_copy_(0, idx, v.to(vc.device, vc.dtype))
+        self.runner.write_blocks([b.block_id for b in blocks],
+                                 torch.stack([torch.stack((k, v)) for k, v in kv]))
         self.scheduler.add_prefilled_request(req, [b.block_id for b in blocks])
         return req
 

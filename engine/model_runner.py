@@ -99,10 +99,10 @@ class ModelRunner:
             num_scheduled[batch.index[req.request_id]] = n
         return num_scheduled
 
-    def _merge_vision(self, embeds: torch.Tensor, inp: StepInputs,
-                      num_scheduled: np.ndarray) -> None:
-        """Overwrite placeholder rows with vision embeddings (all of the step's images go
-        through the tower in one call; cached ones skip it)."""
+    def vision_spans(self, inp: StepInputs, num_scheduled: np.ndarray
+                     ) -> list[tuple[int, torch.Tensor]]:
+        """(flat row, embedding rows [n, hidden]) to write over placeholder rows: every
+        image of the step goes through the tower in one call (cached ones skip it)."""
         spans: list[tuple[int, MMItem, int, int]] = []  # (flat row, item, item row, n)
         batch = self.batch
         for row in np.flatnonzero(batch.num_computed[:batch.num_reqs]
@@ -116,17 +116,15 @@ class ModelRunner:
                 if lo < hi:
                     spans.append((base + lo - s, it, lo - it.offset, hi - lo))
         if not spans:
-            return
+            return []
         embs = self.encoder.get_embeddings([it for _, it, _, _ in spans])
-        for row, it, start, n in spans:
-            embeds[row:row + n] = embs[it.mm_hash][start:start + n].to(embeds.dtype)
+        return [(row, embs[it.mm_hash][start:start + n]) for row, it, start, n in spans]
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]
-                ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
-        marks = [time.perf_counter()]
-        num_scheduled = self._sync(out, block_ids)
-        inp = self.batch.prepare(num_scheduled)
+    def run_model(self, inp: StepInputs, spans: list[tuple[int, torch.Tensor]],
+                  marks: list[float]) -> torch.Tensor | None:
+        """The model on one step's flat batch: logits [S, vocab] of the sampled rows (None
+        when no row samples). Appends the end of the vision, forward and logits phases
+        to ``marks``. Every rank of a tensor-parallel group runs this on the same inputs."""
         dev = self.device
         input_ids = torch.from_numpy(inp.input_ids).to(dev)
         meta = AttentionMetadata(
@@ -138,20 +136,33 @@ class ModelRunner:
             cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens,
         )
         positions = torch.from_numpy(inp.positions).to(dev)
-        marks.append(time.perf_counter())
         embeds = self.model.embed_tokens(input_ids)
-        self._merge_vision(embeds, inp, num_scheduled)
+        for row, emb in spans:
+            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
         marks.append(time.perf_counter())
         with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
             hidden = self.model(input_ids, positions, embeds)
         marks.append(time.perf_counter())
-        rows = inp.sample_rows.tolist()
+        if not len(inp.sample_rows):
+            marks.append(marks[-1])
+            return None
+        if len(inp.sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.from_numpy(inp.logits_index).to(dev)]
+        logits = self.model.compute_logits(hidden)
+        marks.append(time.perf_counter())
+        return logits
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]
+                ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
+        marks = [time.perf_counter()]
+        num_scheduled = self._sync(out, block_ids)
+        inp = self.batch.prepare(num_scheduled)
+        marks.append(time.perf_counter())
+        logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks)
         result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
-        if rows:
-            if len(rows) < hidden.shape[0]:
-                hidden = hidden[torch.from_numpy(inp.logits_index).to(dev)]
-            logits = self.model.compute_logits(hidden)
-            marks.append(time.perf_counter())
+        if logits is not None:
+            rows = inp.sample_rows.tolist()
             reqs = [self.batch.reqs[r] for r in rows]
             rids = [r.request_id for r in reqs]
             res: SamplerOutput = self.sampler(logits.cpu(), rids,
@@ -159,9 +170,27 @@ class ModelRunner:
             for row, tok in zip(rows, res.token_ids):
                 self.batch.append_token(row, tok)
             result = dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))
-        else:
-            marks.append(marks[-1])
         self.batch.advance(num_scheduled)
         marks.append(time.perf_counter())
         self.times.add(marks)
         return result
+
+    # -- KV blocks by id (a prefill worker's export, a decode worker's import) ---------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2, n, block_size, num_kv_heads, head_dim] host copy of these blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                            for k, v in self.kv_caches]).cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` (``read_blocks``' layout) into these blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (kc, vc), layer in zip(self.kv_caches, kv):
+            kc.index_copy_(0, idx, layer[0].to(kc.device, kc.dtype))
+            vc.index_copy_(0, idx, layer[1].to(vc.device, vc.dtype))
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """(block_size, num_kv_heads, head_dim) of one block of one layer, as transferred
+        (all heads of the model, also when this runner holds a slice of them)."""
+        return tuple(self.kv_caches[0][0].shape[1:])

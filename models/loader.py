@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from triptych.models.parallel import TPContext
 from triptych.models.registry import resolve_model_class
 
 
@@ -24,24 +25,43 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint tensor, one shard open at a time, on the host."""
+class LazyTensor:
+    """A checkpoint tensor not read yet: its shape, and ``read`` for all of it or a range of
+    one dim (a tensor-parallel rank reads only its slice). Valid while its file is open."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        self._slice = file.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self, dim: int = 0, src: tuple[int, int] | None = None) -> torch.Tensor:
+        if src is None:
+            return self._slice[:]
+        return self._slice[(slice(None),) * dim + (slice(src[0], src[1]),)]
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, lazy tensor) of every checkpoint tensor, one shard file open at a time; the
+    consumer reads what it needs before asking for the next."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f, name)
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str,
-               attention_backend: str = "torch") -> tuple[Any, Any]:
+               attention_backend: str = "torch", tp: TPContext | None = None,
+               shard_vision: bool = True) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, HF config) from a local checkpoint directory.
 
+    With ``tp``, this rank's shard of the model (``shard_vision`` False: whole vision tower).
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
     a shape mismatch."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cls = resolve_model_class(getattr(config, "architectures", None))
-    model = cls(config, dtype=dtype, device=device, attention_backend=attention_backend)
+    extra = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
+    model = cls(config, dtype=dtype, device=device, attention_backend=attention_backend,
+                **extra)
     model.load_weights(iter_weights(model_dir))
     return model.eval().requires_grad_(False), config

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
+from triptych.models.parallel import TPContext
+from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 
 logger = logging.getLogger("triptych.models")
@@ -40,7 +42,7 @@ def rope_config(text: Any) -> tuple[float, list[int]]:
 
 class Qwen2Attention(nn.Module):
     """Self-attention with one fused q|k|v projection (the checkpoint's three are stacked
-    by rows at load, see ``fused_shards``): one GEMM instead of three per layer."""
+    by rows at load, see ``FusedLinear``): one GEMM instead of three per layer."""
 
     def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
         super().__init__()
@@ -49,13 +51,11 @@ class Qwen2Attention(nn.Module):
         self.head_dim = text.hidden_size // self.num_heads
         h, d = text.hidden_size, self.head_dim
         self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
-        self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=True)
+        self.qkv_proj = FusedLinear.single(
+            h, list(zip(("q_proj", "k_proj", "v_proj"), self.sizes)), bias=True)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
         self.ops = ops
-
-    def fused_shards(self) -> dict[str, tuple[str, int, int]]:
-        return _shards("qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes, ("weight", "bias"))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
                 mrope_section: list[int], rope: Any = None) -> torch.Tensor:
@@ -77,26 +77,13 @@ class Qwen2MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.gate_up_proj = FusedLinear.single(
+            hidden, [("gate_proj", inter), ("up_proj", inter)], bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def fused_shards(self) -> dict[str, tuple[str, int, int]]:
-        return _shards("gate_up_proj", ("gate_proj", "up_proj"), [self.inter] * 2, ("weight",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-def _shards(fused: str, parts: tuple[str, ...], sizes: list[int], kinds: tuple[str, ...]
-            ) -> dict[str, tuple[str, int, int]]:
-    """checkpoint sub-name -> (fused sub-name, first row, end row)."""
-    out, row = {}, 0
-    for part, n in zip(parts, sizes):
-        for kind in kinds:
-            out[f"{part}.{kind}"] = (f"{fused}.{kind}", row, row + n)
-        row += n
-    return out
 
 
 class RMSNorm(nn.Module):
@@ -157,10 +144,19 @@ _VISION = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen25VisionTransfo
 
 
 class Qwen2VLForCausalLM(nn.Module):
-    """Qwen2-VL / Qwen2.5-VL (picked by ``config.model_type``) on flat token batches."""
+    """Qwen2-VL / Qwen2.5-VL (picked by ``config.model_type``) on flat token batches.
+
+    With ``tp`` (a rank of a tensor-parallel group) the layers are swapped for their
+    sharded forms before any memory is allocated (models/tp_plan.py); ``shard_vision``
+    False keeps the whole vision tower on every rank (mm_encoder_tp_mode="data")."""
+
+    # Both towers encode any subset of a batch's items alone (attention never crosses an
+    # item), so their ranks can split a batch of images (mm_encoder_tp_mode="data").
+    supports_encoder_data_parallel = True
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", tp: TPContext | None = None,
+                 shard_vision: bool = True) -> None:
         super().__init__()
         if config.model_type not in _VISION:
             raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(_VISION)}")
@@ -182,6 +178,9 @@ class Qwen2VLForCausalLM(nn.Module):
             self.language_model = Qwen2TextModel(text, self.ops)
             if not self.tie_word_embeddings:
                 self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        if tp is not None and tp.size > 1:
+            from triptych.models.tp_plan import shard_qwen2_vl
+            shard_qwen2_vl(self, tp, shard_vision)
         self.to(dtype=dtype)
         self.to_empty(device=device)  # parameters are garbage until load_weights
         self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,
@@ -215,7 +214,8 @@ class Qwen2VLForCausalLM(nn.Module):
         return self.language_model(positions, x, self.cos_sin_cache, self.mrope_section)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
+        """[N, hidden] -> [N, vocab] float32 (sharded: this rank's vocab slice; the runner
+        gathers the slices)."""
         w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
              else self.lm_head.weight)
         if hidden.device.type == "cpu" and w.dtype == torch.float32 and _ONEDNN:
@@ -236,45 +236,45 @@ class Qwen2VLForCausalLM(nn.Module):
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
         return list(emb.split(sizes))
 
-    def _fused_shards(self) -> dict[str, tuple[str, int, int]]:
-        """Our unfused parameter name -> (fused parameter name, first row, end row)."""
-        out = {}
+    def shard_table(self) -> dict[str, list[Shard]]:
+        """Our (unfused) checkpoint name -> the pieces this rank loads from it. Layers that
+        fuse or shard say so (``shards``); every other parameter is read whole."""
+        table: dict[str, list[Shard]] = {}
         for prefix, mod in self.named_modules():
-            if hasattr(mod, "fused_shards"):
-                for part, (fused, a, b) in mod.fused_shards().items():
-                    out[f"{prefix}.{part}"] = (f"{prefix}.{fused}", a, b)
-        return out
+            if hasattr(mod, "shards"):
+                table.update(mod.shards(prefix))
+        targets = {sh.param for pieces in table.values() for sh in pieces}
+        for name, _ in self.named_parameters():
+            if name not in targets:
+                table[name] = [Shard(name)]
+        return table
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy checkpoint tensors in by name (hub layout or transformers-5 layout).
 
+        ``weights`` yields (name, tensor) or (name, lazy slice: ``shape`` + ``read(dim,
+        start, end)``, see loader.LazyTensor): a sharded rank then reads only its slices.
         Raises ValueError on a shape mismatch or when a parameter stays unloaded."""
         params = dict(self.named_parameters())
-        shards = self._fused_shards()  # checkpoint name -> (fused param, rows)
+        table = self.shard_table()
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, tensor in weights:
             name = map_checkpoint_name(ckpt_name)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
-            target = shards.get(name) if name is not None else None
-            param = params.get(target[0] if target else name) if name is not None else None
-            if param is None:
+            pieces = table.get(name) if name is not None else None
+            if pieces is None:
                 unexpected.append(ckpt_name)
                 continue
-            if target is not None:
-                param = param[target[1]:target[2]]  # this checkpoint tensor's rows
-            if name.endswith("patch_embed.proj.weight") and tensor.dim() == 5:
-                tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel -> linear weight
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}"
-                                 f" but the model expects {tuple(param.shape)}")
-            param.copy_(tensor)
+            for sh in pieces:
+                param = params[sh.param]
+                if sh.rows is not None:
+                    param = param[sh.rows[0]:sh.rows[1]]  # this checkpoint tensor's rows
+                param.copy_(_read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
             loaded.add(name)
-        fused = {t[0] for t in shards.values()}
-        params = {n: p for n, p in params.items() if n not in fused} | dict.fromkeys(shards)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(table) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs (hub "
                              f"names; transformers-5 saves use model.language_model./model.visual.)"
@@ -283,6 +283,26 @@ class Qwen2VLForCausalLM(nn.Module):
             logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s",
                            len(unexpected), ", ".join(unexpected[:10]))
         return loaded
+
+
+def _read_piece(ckpt_name: str, tensor: Any, sh: Shard, want: tuple[int, ...]) -> torch.Tensor:
+    """The piece ``sh`` of a checkpoint tensor, shape-checked against the parameter slice
+    ``want`` it goes to (the whole tensor's shape is checked before any slice is read)."""
+    shape = tuple(tensor.shape)
+    if sh.src is None:
+        if len(shape) == 5 and len(want) == 2:  # Conv3d kernel -> linear weight
+            shape = (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
+        expected = want
+    else:
+        expected = want[:sh.dim] + (sh.full,) + want[sh.dim + 1:]
+    if shape != expected:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {shape} but the model "
+                         f"expects {expected}")
+    if isinstance(tensor, torch.Tensor):
+        out = tensor if sh.src is None else tensor.narrow(sh.dim, sh.src[0], sh.src[1] - sh.src[0])
+    else:
+        out = tensor.read(sh.dim, sh.src) if sh.src is not None else tensor.read()
+    return out.reshape(want)
 
 
 # checkpoint prefix -> our prefix; first match wins (transformers-5 names before hub names)

@@ -30,14 +30,6 @@ class _Outgoing:
     next_block: int  # first block not sent yet
 
 
-def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                  block_ids: list[int]) -> torch.Tensor:
-    """[num_layers, 2, n, block_size, Hkv, D] copy of the given blocks of every layer."""
-    idx = torch.tensor(block_ids, device=kv_caches[0][0].device)
-    return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                        for k, v in kv_caches]).cpu()
-
-
 class KVSender:
     def __init__(self, core: EngineCore, connector: Connector) -> None:
         self.core, self.connector = core, connector
@@ -91,9 +83,10 @@ class KVSender:
             return
         t0 = time.perf_counter()
         run = block_ids[o.next_block:upto]
-        data = gather_blocks(self.core.runner.kv_caches, run) if run else torch.empty(
-            (len(self.core.runner.kv_caches), 2, 0, *self.core.runner.kv_caches[0][0].shape[1:]),
-            dtype=self.core.runner.kv_caches[0][0].dtype)
+        runner = self.core.runner
+        data = runner.read_blocks(run) if run else torch.empty(
+            (len(runner.kv_caches), 2, 0, *runner.kv_block_shape),
+            dtype=runner.kv_caches[0][0].dtype)
         header = wire.KVTransfer(rid, o.next_block, final, first_token)
         self.bytes_sent += self.connector.send(o.dest.address, header, [data])
         self.seconds += time.perf_counter() - t0

@@ -129,6 +129,7 @@ class PrefillWorker(Handler):
     def close(self) -> None:
         self.pixels.close()
         self.connector.close()
+        self.core.close()
 
 
 if __name__ == "__main__":

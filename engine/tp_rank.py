@@ -1,0 +1,166 @@
+"""A tensor-parallel rank r > 0: ``python -m triptych.engine.tp_rank``, RankSpec as JSON on stdin.
+
+Started by its group's rank 0 (engine/tp_group.py). It loads its shard of the model (and,
+for an engine group, its heads' slice of the KV cache), then runs the commands rank 0
+sends, joining the same collectives in the same order:
+
+    loop:  wait for a command (checking rank 0 is alive while idle)
+           Forward -> ModelRunner.run_model on the step's arrays; logits slice to rank 0
+           Encode  -> the vision tower (whole batch on its weights, or its share of items)
+           ReadKV / WriteKV -> its heads of those KV blocks;  Stop -> exit 0
+
+It keeps no request state. Any error (a failed collective, rank 0 gone, a bad command) ends
+the process with status 1; rank 0 then fails too and the supervisor restarts the group.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+
+logger = logging.getLogger("triptych.tp")
+IDLE_POLL_MS = 500
+
+
+class _Orphaned(Exception):
+    pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # NOTE: SIGKILL, not a handler: a rank holds nothing that needs cleaning up (rank 0
+    # owns the group's directory), and a handler would not run inside a blocking collective.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        raise _Orphaned("rank 0 is gone")
+
+
+def run_rank(spec: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    import zmq
+    from transformers import AutoConfig
+    from triptych.config import EngineConfig
+    from triptych.engine import tp_wire
+    from triptych.engine.engine_core import ModelShape, num_kv_blocks, resolve_device, resolve_dtype
+    from triptych.engine.model_runner import ModelRunner
+    from triptych.engine.threads import apply_thread_policy
+    from triptych.engine.tp_group import command_address, rank_device, store_path
+    from triptych.kernels import get_ops, resolve_backend
+    from triptych.models import load_model
+    from triptych.models.parallel import TPContext
+    from triptych.models.tp_plan import local_kv_heads
+
+    apply_thread_policy(max(1, spec.num_threads))
+    config = EngineConfig(**spec.config)
+    store = dist.FileStore(store_path(spec.run_dir), spec.size)
+    store.set(f"joined/{spec.rank}", "1")
+    device = rank_device(resolve_device(config.device), spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = TPContext.connect(store, spec.rank, spec.size, device)
+    hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
+    backend = resolve_backend(config.attention_backend, device.type)
+    model, hf = load_model(config.model, dtype, str(device), backend, tp=ctx,
+                           shard_vision=spec.encoder_mode == "weights")
+    shape = ModelShape.from_hf(hf)
+    runner = None
+    if spec.role == "engine":
+        blocks = ctx.min_int(num_kv_blocks(config, shape, dtype, device, spec.size))
+        runner = ModelRunner(model, None, num_blocks=blocks, block_size=config.block_size,
+                             num_layers=shape.num_layers,
+                             num_kv_heads=local_kv_heads(shape.num_kv_heads, spec.size),
+                             head_dim=shape.head_dim, dtype=dtype, device=device,
+                             ops=get_ops(backend), seed=config.seed)
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(command_address(spec.run_dir, spec.rank))
+    logger.info("rank %d of %d ready (%s, vision tower: %s)", spec.rank, spec.size, spec.role,
+                spec.encoder_mode)
+    try:
+        with torch.inference_mode():
+            while True:
+                if not sock.poll(IDLE_POLL_MS):
+                    if os.getppid() != spec.parent_pid:
+                        raise _Orphaned("rank 0 is gone")
+                    continue
+                cmd, tensors = tp_wire.decode(sock.recv_multipart())
+                if isinstance(cmd, tp_wire.Stop):
+                    return
+                execute(cmd, tensors, ctx, model, runner, shape, dtype, device)
+    finally:
+        sock.close(0)
+        zctx.term()
+        ctx.close()
+
+
+def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, shape: Any,
+            dtype: Any, device: Any) -> None:
+    """One command, with the same collectives rank 0 runs for it."""
+    import torch
+    from triptych.encode.data_parallel import encode_data_parallel
+    from triptych.encode.patch_balance import PatchAssignment
+    from triptych.engine import tp_wire
+    from triptych.engine.input_batch import StepInputs
+    from triptych.engine.tp_runner import local_blocks
+
+    if isinstance(cmd, tp_wire.Forward):
+        arrays = dict(zip(tp_wire.STEP_ARRAYS, (t.numpy() for t in tensors)))
+        inp = StepInputs(max_query_len=cmd.max_query_len, **arrays)
+        spans = []
+        if cmd.mm_rows:
+            rows = tensors[len(tp_wire.STEP_ARRAYS)].to(device)
+            spans = list(zip(cmd.mm_rows, rows.split(cmd.mm_lens)))
+        logits = runner.run_model(inp, spans, [])
+        if logits is not None:
+            ctx.gather(logits)
+    elif isinstance(cmd, tp_wire.Encode):
+        pixels = tensors[0].to(device, dtype)
+        grid = torch.tensor(cmd.grid, dtype=torch.long, device=device)
+        if cmd.ranks:
+            a = PatchAssignment(cmd.ranks, [])
+            encode_data_parallel(model.encode_images, ctx, grid, a, pixels,
+                                 model.spatial_merge_size, shape.hidden_size, dtype)
+        else:
+            model.encode_images(pixels, grid)  # rank 0 keeps the (identical) result
+    elif isinstance(cmd, tp_wire.ReadKV):
+        ctx.gather(local_blocks(runner.kv_caches, cmd.block_ids))
+    elif isinstance(cmd, tp_wire.WriteKV):
+        runner.write_blocks(cmd.block_ids, tensors[0])
+
+
+def main() -> None:
+    from triptych.engine.tp_group import RankSpec
+
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=RankSpec)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s[tp-rank{spec.rank}]: "
+                               "%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown
+    code = 0
+    try:
+        _die_with_parent(spec.parent_pid)
+        run_rank(spec)
+    except _Orphaned as e:
+        logger.info("rank stops: %s", e)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        code = 1
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # NOTE: no interpreter finalization (torch pools, gloo threads)
+
+
+if __name__ == "__main__":
+    main()

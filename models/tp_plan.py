@@ -1,0 +1,166 @@
+"""How Qwen2-VL / Qwen2.5-VL split across tensor-parallel ranks, and which sizes can.
+
+A transform on the freshly built (meta-device) model, before any memory is allocated:
+
+    language model   embed_tokens -> vocab-parallel (the tied head then makes vocab slices)
+                     qkv_proj, gate_up_proj -> column-parallel (each fused part sliced)
+                     o_proj, down_proj -> row-parallel (one all-reduce each)
+                     KV heads: Hkv / N per rank; fewer KV heads than ranks are replicated
+                     (N / Hkv consecutive ranks hold the same head), as peers do
+    vision tower     mm_encoder_tp_mode="weights": attention qkv / MLP up and the merger's
+                     first layer column-parallel, their partners row-parallel;
+                     "data": untouched (every rank holds the whole tower)
+
+Norms, rotary tables and the patch embedding stay whole on every rank.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from triptych.models.attention import PagedAttention
+from triptych.models.parallel import TPContext
+from triptych.models.parallel_layers import (
+    FusedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rank_part,
+)
+
+logger = logging.getLogger("triptych.models")
+
+
+def local_kv_heads(num_kv_heads: int, size: int) -> int:
+    """KV heads each rank holds (1 when heads are replicated across ranks)."""
+    return max(1, num_kv_heads // size)
+
+
+def _constraints(hf: Any, shard_vision: bool) -> list[tuple[str, int, bool]]:
+    """(name, size, may_replicate): sizes that tensor_parallel_size must divide."""
+    text = getattr(hf, "text_config", None) or hf
+    out = [("num_attention_heads", text.num_attention_heads, False),
+           ("num_key_value_heads", text.num_key_value_heads, True),
+           ("intermediate_size", text.intermediate_size, False),
+           ("vocab_size", text.vocab_size, False)]
+    if shard_vision:
+        v = hf.vision_config
+        if hf.model_type == "qwen2_vl":
+            dim, mlp = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
+        else:
+            dim, mlp = v.hidden_size, v.intermediate_size
+        out += [("vision num_heads", v.num_heads, False),
+                ("vision MLP width", mlp, False),
+                ("vision merger width", dim * v.spatial_merge_size ** 2, False)]
+    return out
+
+
+def _fits(size: int, n: int, may_replicate: bool) -> bool:
+    return n % size == 0 or (may_replicate and size % n == 0)
+
+
+def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
+    """Raise ValueError (one line) when the model cannot split ``size`` ways: it names the
+    sizes that do not divide and the tensor_parallel_size values that work."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    cons = _constraints(hf, shard_vision=encoder_mode == "weights")
+    bad = [f"{name}={n}" for name, n, rep in cons if not _fits(size, n, rep)]
+    if not bad:
+        return
+    works = [t for t in range(1, 65) if all(_fits(t, n, rep) for _, n, rep in cons)]
+    hint = ""
+    if any(b.startswith("vision") for b in bad):
+        hint = "; or mm_encoder_tp_mode=data, which keeps the vision tower whole"
+    raise ValueError(f"tensor_parallel_size={size} must divide {', '.join(bad)} (KV heads "
+                     f"may instead divide it); sizes that work: {', '.join(map(str, works))}"
+                     f"{hint}")
+
+
+def resolve_encoder_mode(model_cls: type, requested: str, size: int) -> str:
+    """The vision tower's mode: "data" only where the model can split a batch of items."""
+    if requested == "data" and size > 1 and \
+            not getattr(model_cls, "supports_encoder_data_parallel", False):
+        logger.info("%s cannot split images across ranks; mm_encoder_tp_mode falls back to "
+                    "weights", model_cls.__name__)
+        return "weights"
+    return requested
+
+
+def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
+    """Swap the layers of a meta-device Qwen2VLForCausalLM for rank ``ctx.rank``'s shards."""
+    text = getattr(model.config, "text_config", None) or model.config
+    with torch.device("meta"):
+        lm = model.language_model
+        lm.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size, ctx)
+        if not model.tie_word_embeddings:
+            model.lm_head = FusedLinear(text.hidden_size, [rank_part(None, text.vocab_size, ctx)],
+                                        bias=False)
+        for layer in lm.layers:
+            _shard_attention(layer.self_attn, text.hidden_size, ctx)
+            mlp = layer.mlp
+            mlp.gate_up_proj = FusedLinear(text.hidden_size, [
+                rank_part("gate_proj", mlp.inter, ctx), rank_part("up_proj", mlp.inter, ctx)],
+                bias=False)
+            mlp.down_proj = RowParallelLinear(mlp.inter, text.hidden_size, False, ctx)
+            mlp.inter //= ctx.size
+        if shard_vision:
+            _shard_vision(model.visual, ctx)
+
+
+def _shard_attention(a: Any, hidden: int, ctx: TPContext) -> None:
+    h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+    replicas = max(1, ctx.size // hkv)
+    a.num_heads, a.num_kv_heads = h // ctx.size, local_kv_heads(hkv, ctx.size)
+    a.sizes = [a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d]
+    a.qkv_proj = FusedLinear(hidden, [
+        rank_part("q_proj", h * d, ctx),
+        rank_part("k_proj", hkv * d, ctx, replicas=replicas),
+        rank_part("v_proj", hkv * d, ctx, replicas=replicas)], bias=True)
+    a.o_proj = RowParallelLinear(h * d, hidden, False, ctx)
+    a.attn = PagedAttention(a.attn.layer_idx, a.num_heads, a.num_kv_heads, d, a.attn.scale)
+
+
+def _column(linear: Any, ctx: TPContext) -> FusedLinear:
+    return FusedLinear(linear.in_features, [rank_part(None, linear.out_features, ctx)],
+                       bias=linear.bias is not None)
+
+
+def _row(linear: Any, ctx: TPContext) -> RowParallelLinear:
+    return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                             ctx)
+
+
+def _shard_vision(visual: Any, ctx: TPContext) -> None:
+    for blk in visual.blocks:
+        attn = blk.attn
+        dim = attn.num_heads * attn.head_dim
+        # the checkpoint's qkv is one [3 * dim, dim] tensor: q, k, v blocks of dim rows
+        attn.qkv = FusedLinear(dim, [rank_part(None, dim, ctx, offset=i * dim, ckpt_rows=3 * dim)
+                                     for i in range(3)], bias=True)
+        attn.proj = _row(attn.proj, ctx)
+        attn.num_heads //= ctx.size
+        mlp = blk.mlp
+        if hasattr(mlp, "fc1"):  # Qwen2-VL: quick_gelu MLP
+            mlp.fc1, mlp.fc2 = _column(mlp.fc1, ctx), _row(mlp.fc2, ctx)
+        else:  # Qwen2.5-VL: SwiGLU
+            mlp.gate_proj, mlp.up_proj = _column(mlp.gate_proj, ctx), _column(mlp.up_proj, ctx)
+            mlp.down_proj = _row(mlp.down_proj, ctx)
+    merger = visual.merger.mlp
+    merger[0], merger[2] = _column(merger[0], ctx), _row(merger[2], ctx)
+
+
+def check_layout_tp(config: Any) -> None:
+    """Every pool's tensor_parallel_size against the checkpoint (EngineConfig), before any
+    worker process starts: ValueError naming the sizes that do not divide."""
+    sizes = {p: config.pool_tensor_parallel_size(p) for p in
+             ("colocated", "encode", "prefill", "decode")}
+    if all(t == 1 for t in sizes.values()):
+        return
+    from transformers import AutoConfig
+    from triptych.models.registry import resolve_model_class
+
+    hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    cls = resolve_model_class(getattr(hf, "architectures", None))
+    for size in sorted(set(sizes.values())):
+        check_tp_sizes(hf, size, resolve_encoder_mode(cls, config.mm_encoder_tp_mode, size))
