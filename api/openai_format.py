@@ -56,6 +56,7 @@ class PromptInfo:
     num_cached_tokens: int = 0
     echo: str = ""  # text put before each completion's (echo)
     mm_tokens: dict[str, int] = field(default_factory=dict)  # placeholder tokens by modality
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (first: None)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Shape:
     token_ids: bool = False  # return_token_ids
     block_size: int = 16  # KV block: what the prefix cache can hold (created_cache_tokens)
     prefix_caching: bool = True
+    prompt_logprobs: bool = False  # the response carries prompt_logprobs (vLLM's field)
 
 
 class Formatter:
@@ -101,6 +103,29 @@ class Formatter:
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(ids, lps)],
                 "top_logprobs": [self._top(d, k) for d in lps], "text_offset": offsets}
+
+    def prompt_logprobs(self, lps: list[dict[int, float] | None] | None) -> list | None:
+        """vLLM's prompt_logprobs: per prompt position None (the first) or {token id:
+        {logprob, rank, decoded_token}}; rank among the returned entries."""
+        if lps is None:
+            return None
+        return [None if d is None else {
+            str(t): {"logprob": v, "rank": r + 1, "decoded_token": self._token(t)}
+            for r, (t, v) in enumerate(sorted(d.items(), key=lambda kv: -kv[1]))} for d in lps]
+
+    def echo_logprobs(self, p: PromptInfo) -> dict:
+        """The completions logprobs of an echoed prompt (its first token has none)."""
+        k, lps = self.s.logprobs or 0, p.prompt_logprobs or []
+        ids = p.token_ids
+        tokens = [self._token(t) for t in ids]
+        offsets, off = [], 0
+        for tok in tokens:
+            offsets.append(off)
+            off += len(tok)
+        return {"tokens": tokens,
+                "token_logprobs": [None] + [d[t] if d else None for t, d in zip(ids[1:], lps[1:])],
+                "top_logprobs": [None] + [self._top(d, k) if d else None for d in lps[1:]],
+                "text_offset": offsets}
 
     def _top(self, d: dict[int, float], k: int) -> dict[str, float]:
         # Two ids can decode to the same text (partial UTF-8 -> U+FFFD): keep the likelier.
@@ -139,6 +164,11 @@ class Formatter:
                 ch["text"] = p.echo + c.text
                 ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs, len(p.echo))
                                   if self.s.logprobs is not None else None)
+                if ch["logprobs"] is not None and p.echo and p.prompt_logprobs is not None:
+                    head = self.echo_logprobs(p)  # the echoed prompt's tokens come first
+                    ch["logprobs"] = {key: head[key] + ch["logprobs"][key] for key in head}
+                if self.s.prompt_logprobs:
+                    ch["prompt_logprobs"] = self.prompt_logprobs(p.prompt_logprobs)
                 if self.s.token_ids:
                     ch["prompt_token_ids"] = p.token_ids
             ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
@@ -150,6 +180,8 @@ class Formatter:
                 "usage": self.usage(prompts, sum(len(c.token_ids) for c in choices))}
         if self.s.chat and self.s.token_ids:
             body["prompt_token_ids"] = prompts[0].token_ids
+        if self.s.chat and self.s.prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs(prompts[0].prompt_logprobs)
         return body
 
     # -- streams --------------------------------------------------------------------------

@@ -54,7 +54,6 @@ def _is_set(v: Any) -> bool:
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (bool, ("beam search is not supported (n > 1 returns independent "
                               "samples, not beams)")),
-    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs is not supported yet"),
     "min_p": (lambda v: bool(v), "min_p sampling is not supported yet"),
     "presence_penalty": (lambda v: bool(v), "presence_penalty is not supported yet"),
     "frequency_penalty": (lambda v: bool(v), "frequency_penalty is not supported yet"),
@@ -187,9 +186,6 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits) -> None:
 
 def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
     check_common(body, limits)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo", "echo together with logprobs needs prompt logprobs, which "
-                                  "are not supported yet")
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts:
         raise bad_request("prompt", f"{len(prompts)} prompts in one request; this server takes "
@@ -251,6 +247,17 @@ def media_limits(body: ChatCompletionRequest, base: MediaLimits) -> MediaLimits:
     return dataclasses.replace(base, max_video_frames=frames, video_fps=fps)
 
 
+def prompt_logprobs(body: ChatCompletionRequest | CompletionRequest, logprobs: int | None
+                    ) -> int | None:
+    """Top-k per prompt token: asked for, or implied by a completion's echo + logprobs (its
+    logprobs then cover the echoed prompt too, as vLLM's do)."""
+    if body.prompt_logprobs is not None:
+        return body.prompt_logprobs
+    if isinstance(body, CompletionRequest) and body.echo and logprobs is not None:
+        return logprobs
+    return None
+
+
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len: int,
                     limits: ServerLimits, logprobs: int | None) -> SamplingParams:
     """The engine's parameters for one prompt of this request."""
@@ -270,7 +277,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
             ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=logit_bias(body, limits))
+            logit_bias=logit_bias(body, limits),
+            prompt_logprobs=prompt_logprobs(body, logprobs))
     except ValueError as e:  # SamplingParams.verify: the same ranges, checked again
         raise APIError(400, str(e)) from None
 

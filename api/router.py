@@ -330,8 +330,10 @@ class Router:
         # must run its finally (the abort) now, not whenever the garbage collector gets to it.
         async with contextlib.aclosing(self.outputs_of(request_id, prompt, params,
                                                        stream)) as outs:
+            sent_prompt_lps = False
             async for out in outs:
-                yield _delta(out)
+                yield _delta(out, with_prompt_logprobs=not sent_prompt_lps)
+                sent_prompt_lps = sent_prompt_lps or out.prompt_logprobs is not None
 
     async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
                          params: SamplingParams, stream: bool = True
@@ -730,7 +732,7 @@ def _wire_item(it: Any) -> wire.WireMMItem:
                            None, it.second_per_grid_t)
 
 
-def _delta(r: RequestOutput) -> wire.RequestDelta:
+def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.RequestDelta:
     comps = []
     for c in r.outputs:
         if not c.token_ids_delta and not c.finished_now and not c.text_delta:
@@ -741,8 +743,12 @@ def _delta(r: RequestOutput) -> wire.RequestDelta:
                    for d in c.logprobs[-len(c.token_ids_delta):]]
         comps.append(wire.CompletionDelta(c.index, c.text_delta, c.token_ids_delta,
                                           c.finish_reason, c.stop_reason, lps))
+    plps = None
+    if with_prompt_logprobs and r.prompt_logprobs is not None:
+        plps = [None if d is None else {t: lp.logprob for t, lp in d.items()}
+                for d in r.prompt_logprobs]
     return wire.RequestDelta(r.request_id, comps, r.finished, len(r.prompt_token_ids),
-                             r.num_cached_tokens)
+                             r.num_cached_tokens, plps)
 
 
 __all__ = ["EngineDeadError", "Router"]

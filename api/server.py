@@ -169,7 +169,8 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
             else body.logprobs
         shape = Shape(chat, config.served_model, body.n, logprobs,
                       bool(body.return_tokens_as_token_ids), bool(body.return_token_ids),
-                      config.block_size, config.enable_prefix_caching)
+                      config.block_size, config.enable_prefix_caching,
+                      body.prompt_logprobs is not None)
         gen = Generation(client, rid, jobs, slots)
         await gen.start()
         responder = Responder(gen, Formatter(processor.tokenizer, shape, rid, int(time.time())),

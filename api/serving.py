@@ -134,6 +134,8 @@ class Responder:
 
     def _account(self, i: int, d: wire.RequestDelta) -> None:
         self.infos[i].num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None and self.infos[i].prompt_logprobs is None:
+            self.infos[i].prompt_logprobs = d.prompt_logprobs
         if i not in self._seen:
             self._seen.add(i)
             self.metrics.prompt_seen(d.num_prompt_tokens, d.num_cached_tokens)
@@ -204,6 +206,9 @@ class Responder:
 
         def chunks(i: int, d: wire.RequestDelta) -> list[str]:
             out = []
+            if d.prompt_logprobs is not None and fmt.s.prompt_logprobs:  # once per prompt
+                out.append(fmt.sse([], prompt_logprobs=fmt.prompt_logprobs(d.prompt_logprobs),
+                                   prompt_index=i))
             for c in d.completions:
                 idx = i * self.n + c.index
                 usage = fmt.usage(self.infos, self.num_tokens) if continuous else None

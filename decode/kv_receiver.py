@@ -162,5 +162,6 @@ class KVReceiver:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(hdr.first_token)
         req.num_resumed_tokens = req.num_output_tokens  # all emitted by the prefill side
+        req.prompt_logprobs_sent = True  # (so were the prompt's logprobs)
         self.core.scheduler.add_prefilled_request(req, [b.block_id for b in held.blocks])
         return req

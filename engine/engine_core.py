@@ -254,6 +254,7 @@ class EngineCore:
                       mrope_delta=delta, hand_off_after_prefill=hand_off_after_prefill)
         req.output_token_ids = list(output_token_ids or [])
         req.num_resumed_tokens = len(req.output_token_ids)
+        req.prompt_logprobs_sent = bool(req.output_token_ids)  # sent by an earlier attempt
         self.scheduler.add_request(req)
         self.prompt_tokens_total += len(prompt_token_ids)
         return req
@@ -334,9 +335,14 @@ class EngineCore:
         status = req.status
         reason = status.finish_reason if status.finished else None
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
+        prompt_lps = None
+        if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True  # the prompt is all computed: it sampled
+            prompt_lps = [None] + [req.prompt_logprobs.get(t)
+                                   for t in range(1, req.num_prompt_tokens)]
         return EngineCoreOutput(req.request_id, [req.output_token_ids[-1]],
                                 None if logprobs is None else [logprobs], reason, stop,
-                                req.num_cached_tokens)
+                                req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     # -- hand-off (prefill worker) and import (decode worker) -------------------------------
     def export_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

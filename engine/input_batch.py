@@ -20,7 +20,7 @@ Bookkeeping only: nothing here touches torch tensors of the model or the KV cach
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from triptych.engine.request import Request
@@ -38,7 +38,10 @@ class StepInputs:
     seq_lens: np.ndarray  # [B] int32: context length after this step
     max_query_len: int
     sample_rows: np.ndarray  # [S] int64: rows whose chunk reaches the end of known tokens
-    logits_index: np.ndarray  # [S] int64: flat index of each sampled row's last token
+    logits_index: np.ndarray  # [S + P] int64: flat index of each sampled row's last token,
+    # then of every prompt position whose logprobs a request asked for (prompt_logprobs)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first
+    # position, count) of those P positions, in order
 
 
 def _grow(a: np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:
@@ -203,12 +206,33 @@ class InputBatch:
         seq_lens = start + n
         max_blocks = int(-(-int(seq_lens.max()) // bs))
         sample_rows = np.flatnonzero(seq_lens == self.num_tokens[:b])
+        logits_index = cu[sample_rows] - 1
+        prompt_rows, extra = self._prompt_logprob_rows(start, n, cu)
+        if extra:
+            logits_index = np.concatenate([logits_index, *extra])
         return StepInputs(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=np.ascontiguousarray(self.block_table[:b, :max_blocks]),
             cu_seqlens_q=np.concatenate(([0], cu)).astype(np.int32),
             seq_lens=seq_lens.astype(np.int32), max_query_len=int(n.max()),
-            sample_rows=sample_rows, logits_index=cu[sample_rows] - 1)
+            sample_rows=sample_rows, logits_index=logits_index, prompt_rows=prompt_rows)
+
+    def _prompt_logprob_rows(self, start: np.ndarray, n: np.ndarray, cu: np.ndarray
+                             ) -> tuple[list[tuple[int, int, int]], list[np.ndarray]]:
+        """Positions t of this step whose logits predict prompt token t + 1, for requests
+        that asked for prompt logprobs: (row, first t, count) and their flat indices."""
+        rows, flat = [], []
+        for row in np.flatnonzero(start < self.num_prompt[:len(n)]).tolist():
+            req = self.reqs[row]
+            if req is None or req.sampling_params.prompt_logprobs is None:
+                continue
+            lo = int(start[row])
+            hi = min(lo + int(n[row]), int(self.num_prompt[row]) - 1)
+            if hi > lo:
+                first = int(cu[row] - n[row])
+                rows.append((row, lo, hi - lo))
+                flat.append(np.arange(first, first + hi - lo))
+        return rows, flat
 
     def advance(self, num_scheduled: np.ndarray) -> None:
         """After a step: the scheduled tokens' KV is in the cache."""

@@ -143,11 +143,14 @@ class ModelRunner:
         with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
             hidden = self.model(input_ids, positions, embeds)
         marks.append(time.perf_counter())
-        if not len(inp.sample_rows):
+        if not len(inp.logits_index):
             marks.append(marks[-1])
             return None
-        if len(inp.sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(inp.logits_index).to(dev)]
+        idx = inp.logits_index
+        # NOTE: skip the gather only when the rows are all of them, in order (a decode step);
+        # prompt_logprobs rows come after the sampled ones, so a count check is not enough.
+        if len(idx) != hidden.shape[0] or not np.array_equal(idx, np.arange(len(idx))):
+            hidden = hidden[torch.from_numpy(idx).to(dev)]
         logits = self.model.compute_logits(hidden)
         marks.append(time.perf_counter())
         return logits
@@ -161,7 +164,10 @@ class ModelRunner:
         marks.append(time.perf_counter())
         logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks)
         result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
-        if logits is not None:
+        if logits is not None and inp.prompt_rows:
+            self._prompt_logprobs(inp, logits[len(inp.sample_rows):])
+            logits = logits[:len(inp.sample_rows)]
+        if logits is not None and len(inp.sample_rows):
             rows = inp.sample_rows.tolist()
             reqs = [self.batch.reqs[r] for r in rows]
             rids = [r.request_id for r in reqs]
@@ -174,6 +180,24 @@ class ModelRunner:
         marks.append(time.perf_counter())
         self.times.add(marks)
         return result
+
+    def _prompt_logprobs(self, inp: StepInputs, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this step's logits predict (prompt_logprobs)."""
+        # logits: [P, vocab], one row per (row, position) of inp.prompt_rows, in order
+        lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+        off = 0
+        for row, t0, count in inp.prompt_rows:
+            req = self.batch.reqs[row]
+            k = req.sampling_params.prompt_logprobs or 0
+            seg = lp[off:off + count]
+            off += count
+            targets = torch.tensor(req.prompt_token_ids[t0 + 1:t0 + 1 + count])
+            chosen = seg.gather(1, targets[:, None])[:, 0].tolist()
+            tops = seg.topk(k) if k else None
+            for j, tok in enumerate(targets.tolist()):
+                d = dict(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops else {}
+                d[tok] = chosen[j]
+                req.prompt_logprobs[t0 + 1 + j] = d  # keyed by the token it scores
 
     # -- KV blocks by id (a prefill worker's export, a decode worker's import) ---------------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

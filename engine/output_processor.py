@@ -30,8 +30,10 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, S
     if params.n == 1:
         return [(request_id, params)]
     fields = {f: getattr(params, f) for f in params.__struct_fields__}
+    # The prompt is the same for every child: child 0 alone computes its logprobs.
     return [(f"{request_id}#{i}",
-             SamplingParams(**{**fields, "n": 1, "seed": _child_seed(params.seed, i)}))
+             SamplingParams(**{**fields, "n": 1, "seed": _child_seed(params.seed, i),
+                               "prompt_logprobs": params.prompt_logprobs if i == 0 else None}))
             for i in range(params.n)]
 
 
@@ -66,6 +68,7 @@ class _Parent:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,6 +140,9 @@ class OutputProcessor:
                 p.metrics.first_token_time = now
             if i == 0 and out.num_cached_tokens:
                 p.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and p.prompt_logprobs is None:
+                p.prompt_logprobs = [None if d is None else self._ranked(d)
+                                     for d in out.prompt_logprobs]
             if self._add_tokens(c, out) and out.finish_reason is None:
                 to_abort.append(c.request_id)  # a stop string: the engine need not go on
             if out.finish_reason is not None and c.finish_reason is None:
@@ -165,9 +171,7 @@ class OutputProcessor:
             c.token_ids.append(tok)
             if c.want_logprobs and out.new_logprobs is not None:
                 lp = out.new_logprobs[k]
-                ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-                c.logprobs.append({t: Logprob(v, r + 1, self.tokenizer.decode([t]))
-                                   for r, (t, v) in enumerate(ranked)})
+                c.logprobs.append(self._ranked(lp))
                 c.cum_logprob += lp[tok]
             if c.incremental:
                 hit = c.detok.add_token(tok)
@@ -175,6 +179,10 @@ class OutputProcessor:
                     c.finish_reason, c.stop_reason = "stop", hit
                     return True
         return False
+
+    def _ranked(self, lp: dict[int, float]) -> dict[int, Logprob]:
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+        return {t: Logprob(v, r + 1, self.tokenizer.decode([t])) for r, (t, v) in enumerate(ranked)}
 
     def _output(self, p: _Parent) -> RequestOutput:
         comps = []
@@ -201,4 +209,4 @@ class OutputProcessor:
             self.drop(p.request_id)
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, comps, done,
                              num_cached_tokens=p.num_cached_tokens, metrics=p.metrics,
-                             error=p.error)
+                             error=p.error, prompt_logprobs=p.prompt_logprobs)

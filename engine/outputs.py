@@ -18,6 +18,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that finished it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # safe for clients: why it ended with "error"
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the first
+    # token: per prompt position (None for the first), the prompt token's logprob + top-k
 
 
 @dataclass
@@ -62,3 +64,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine rejected the request mid-flight
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position

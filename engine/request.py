@@ -69,6 +69,9 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when it first ran (queue time ends)
+    # prompt_logprobs: position t -> {prompt token t: logprob, top ids...} (t >= 1)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
 

@@ -22,6 +22,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # extra token ids that end the request
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the prompt's
+    # own); such a prompt is computed in full (its prefix-cache hits are not used)
     skip_special_tokens: bool = True  # drop special tokens from the output text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
@@ -37,7 +39,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
+                     "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not -_INT64 - 1 <= v <= _INT64:
                 raise ValueError(f"{name} is out of range")
@@ -55,6 +58,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         for tid, bias in (self.logit_bias or {}).items():

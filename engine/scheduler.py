@@ -113,6 +113,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                hits, num_hit_tokens = [], 0  # every prompt position must be computed
             n = req.num_tokens - num_hit_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:

@@ -195,6 +195,7 @@ class RequestDelta(msgspec.Struct, tag="delta"):
     finished: bool  # every completion is done
     num_prompt_tokens: int  # for usage
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once (prompt_logprobs)
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -486,3 +486,34 @@ def test_help_and_request_check_units():
     lowered = media_limits(body, base)
     assert (lowered.max_video_frames, lowered.video_fps) == (4, 1.0)
     assert json.loads(json.dumps({"ok": True}))
+
+
+# -- prompt logprobs ------------------------------------------------------------------------
+def test_prompt_logprobs_are_the_models(client, server, offline):
+    """prompt_logprobs (chat and completions) and echo + logprobs carry, for every prompt
+    token after the first, its logprob under the model (the offline engine's values)."""
+    from triptych import SamplingParams
+
+    text = "Once upon a time there was a picture"
+    want = offline.generate([text], SamplingParams(temperature=0, max_tokens=2,
+                                                   prompt_logprobs=2), use_tqdm=False)[0]
+    ids = want.prompt_token_ids
+    ref = [None] + [d[t].logprob for t, d in zip(ids[1:], want.prompt_logprobs[1:])]
+    r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0,
+                                         "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t, d, v in zip(ids[1:], plp[1:], ref[1:]):
+        assert d[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
+        assert len(d) <= 3  # top 2 (+ the prompt token when outside them)
+    # echo + logprobs: the completion's logprobs start with the echoed prompt
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 2
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(ref[1:], abs=1e-4)
+    assert r.choices[0].text.startswith(text)
+    # chat: at the top level of the response, per prompt token of the templated prompt
+    c = chat(client, user(text_part("Say it.")), extra_body={"prompt_logprobs": 1})
+    chat_plp = c.model_extra["prompt_logprobs"]
+    assert chat_plp[0] is None and all(isinstance(d, dict) for d in chat_plp[1:])
