@@ -124,7 +124,7 @@ class _Common(_Model):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
-    prompt_logprobs: int | None = Field(None, ge=-1, le=INT32)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # top-k per prompt token
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64)
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
