@@ -95,6 +95,19 @@ def _metrics(base: str) -> dict[str, float]:
     return out
 
 
+def warmup(args: argparse.Namespace, base: str) -> None:
+    """A few requests first, not recorded: the first steps of a fresh server allocate."""
+    import copy
+
+    from triptych.bench_serve import sweep
+    w = copy.copy(args)
+    w.num_requests, w.request_rate, w.seed = 4, "inf", args.seed + 1
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):
+        sweep(w, base)
+
+
 def _transfer(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
     """Bytes and seconds moved between pools, per completed request."""
     def d(name: str) -> float:
@@ -121,6 +134,7 @@ def run_layouts(args: argparse.Namespace) -> int:
         print(f"== layout {name}", flush=True)
         flags = layout_flags(name) + shlex.split(args.serve_args)
         with serving(model, flags, os.path.join(logs, f"{name}.log")) as base:
+            warmup(args, base)
             before = _metrics(base)
             results = sweep(args, base)
             time.sleep(0.6)  # the workers' last stats reach the router
@@ -142,7 +156,8 @@ def run_layouts(args: argparse.Namespace) -> int:
 
 def _table(report: dict[str, dict]) -> None:
     head = (f"{'layout':10} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'goodput':>7} "
-            f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'KV B/req':>9} {'emb B/req':>9}")
+            f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'KV B/req':>9} {'KV ms/req':>9} "
+            f"{'emb B/req':>9}")
     print(head)
     for name, rep in report.items():
         t = rep["transfer"]
@@ -151,7 +166,8 @@ def _table(report: dict[str, dict]) -> None:
                   f"{r['output_tokens_per_s']:7.1f} {r['goodput']:7.2f} "
                   f"{r.get('ttft_p50_ms', math.nan):8.0f}/{r.get('ttft_p99_ms', math.nan):<8.0f} "
                   f"{r.get('itl_p50_ms', math.nan):7.1f}/{r.get('itl_p99_ms', math.nan):<7.1f} "
-                  f"{t['kv_bytes_per_request']:9.0f} {t['embedding_bytes_per_request']:9.0f}")
+                  f"{t['kv_bytes_per_request']:9.0f} {1e3 * t['kv_seconds_per_request']:9.2f} "
+                  f"{t['embedding_bytes_per_request']:9.0f}")
 
 
 def _plot(report: dict[str, dict], path: str) -> None:
