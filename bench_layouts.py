@@ -101,7 +101,7 @@ def warmup(args: argparse.Namespace, base: str) -> None:
 
     from triptych.bench_serve import sweep
     w = copy.copy(args)
-    w.num_requests, w.request_rate, w.seed = 4, "inf", args.seed + 1
+    w.num_requests, w.request_rate, w.seed = 4, "inf", args.seed + 99_999
     import contextlib
     import io
     with contextlib.redirect_stdout(io.StringIO()):

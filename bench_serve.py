@@ -117,10 +117,12 @@ def _bodies(args: argparse.Namespace, model: str, rng: np.random.Generator) -> l
     return bodies
 
 
-async def _run_rate(args: argparse.Namespace, model: str, rate: float) -> dict:
+async def _run_rate(args: argparse.Namespace, model: str, rate: float, seed: int) -> dict:
     import httpx
 
-    rng = np.random.default_rng(args.seed)
+    # NOTE: each rate gets its own images (seed): the same ones again would be served from
+    # the processor, encoder and prefix caches and make every later rate look cheap.
+    rng = np.random.default_rng(seed)
     bodies = _bodies(args, model, rng)
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
@@ -196,8 +198,8 @@ def sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
     args.base_url = base_url
     model = args.model or httpx.get(base_url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
     results = []
-    for rate in [float(r) for r in str(args.request_rate).split(",")]:
-        r = asyncio.run(_run_rate(args, model, rate))
+    for i, rate in enumerate(float(r) for r in str(args.request_rate).split(",")):
+        r = asyncio.run(_run_rate(args, model, rate, args.seed + 1000 * (i + 1)))
         _print(r)
         results.append(r)
     return results

@@ -449,7 +449,7 @@ class Router:
         c.worker = pw
         self._charge(c, pw, len(p.prompt.prompt_token_ids))
         dest = wire.KVDest(d.name, d.info["data_address"], reserved.num_blocks,
-                           reserved.num_cached_blocks)
+                           reserved.num_cached_blocks, list(d.info.get("rank_addresses", [])))
 
         def build(items: list[wire.WireMMItem], evicted: list[str] = (), seq: int = 0,
                   encoding: list[str] = ()) -> wire.AddRequest:

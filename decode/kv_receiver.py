@@ -27,6 +27,7 @@ from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem, Request
 
 logger = logging.getLogger("triptych.decode")
+SLICE_TIMEOUT_S = 5.0  # the ranks' slices left before the header did: they are near
 
 
 @dataclass
@@ -136,9 +137,13 @@ class KVReceiver:
         held = self._held.get(hdr.request_id)
         if held is None:
             raise ValueError(f"KV for unknown request {hdr.request_id!r}")
-        k_cache = self.core.runner.kv_caches[0][0]
+        runner, group = self.core.runner, self.core.group
+        if hdr.sliced and group is None:
+            raise ValueError("a rank-to-rank KV transfer for a worker without ranks")
+        k_cache = runner.kv_caches[0][0]
         n = data.shape[2] if data.dim() == 6 else -1
-        want = (len(self.core.runner.kv_caches), 2, n, *self.core.runner.kv_block_shape)
+        heads = k_cache.shape[1:] if hdr.sliced else runner.kv_block_shape
+        want = (len(runner.kv_caches), 2, n, *heads)
         if data.dim() != 6 or tuple(data.shape) != want or data.dtype != k_cache.dtype:
             raise ValueError(f"KV chunk {tuple(data.shape)} {data.dtype} does not match the "
                              f"cache layout {want} {k_cache.dtype}")
@@ -146,10 +151,17 @@ class KVReceiver:
             raise ValueError(f"KV chunk covers blocks [{hdr.first_block}, {hdr.first_block + n})"
                              f"; expected from {held.received} within {held.num_blocks}")
         if n:
-            self.core.runner.write_blocks(
-                [b.block_id for b in held.blocks[hdr.first_block:hdr.first_block + n]], data)
+            ids = [b.block_id for b in held.blocks[hdr.first_block:hdr.first_block + n]]
+            if hdr.sliced:  # the other ranks take their slices (sent rank to rank) first
+                if not runner.recv_slices(ids, hdr.request_id, hdr.first_block,
+                                          SLICE_TIMEOUT_S):
+                    raise ValueError("a tensor-parallel rank's KV slice did not arrive")
+                runner.write_local(ids, data)
+            else:
+                runner.write_blocks(ids, data)
             held.received += n
-            self.bytes_received += data.numel() * data.element_size()
+            self.bytes_received += data.numel() * data.element_size() * (
+                group.size if hdr.sliced else 1)
         self.histogram.observe(seconds)
         if not hdr.final:
             return None

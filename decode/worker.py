@@ -33,9 +33,12 @@ logger = logging.getLogger("triptych.decode")
 class DecodeWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
-        self.core = EngineCore(config, eos_token_id=spec.eos_token_id)
-        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self.pooled = spec.pool == "decode"  # pools exchange data through a connector
+        from triptych.engine.data_endpoint import endpoint_kind, key_name
+        self.core = EngineCore(config, eos_token_id=spec.eos_token_id,
+                               data_kind=endpoint_kind(config, spec) if self.pooled else "",
+                               key_name=key_name(spec))
+        self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self.connector = self.receiver = self.inbox = None
         if self.pooled:
             from triptych.decode.kv_receiver import KVReceiver
@@ -53,7 +56,13 @@ class DecodeWorker(Handler):
         return wire.Hello(spec.worker_id, spec.pool, os.getpid(), self.core.max_model_len,
                           self.core.num_blocks,
                           self.connector.address if self.connector else "",
-                          self.core.encoder.cache.capacity_bytes)
+                          self.core.encoder.cache.capacity_bytes, self._rank_addresses())
+
+    def _rank_addresses(self) -> list[str]:
+        g = self.core.group
+        if self.connector is None or g is None or not g.rank_addresses:
+            return []
+        return [self.connector.address, *g.rank_addresses]
 
     # -- control ---------------------------------------------------------------------------
     def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]:

@@ -16,17 +16,28 @@ if TYPE_CHECKING:
     from triptych.engine.worker_loop import WorkerSpec
 
 
-def data_endpoint(config: EngineConfig, spec: WorkerSpec) -> Connector:
-    from triptych.connector import make_connector, resolve_kind
+def endpoint_kind(config: EngineConfig, spec: WorkerSpec) -> str:
+    """The transport of this worker's endpoints (its own and its TP ranks')."""
+    from triptych.connector import resolve_kind
 
     # One host unless workers on other hosts may join (the router opened worker_address),
     # or this is one of them (nobody here supervises it).
     same_host = config.worker_address is None and not spec.remote
-    kind = resolve_kind(config.kv_transfer, same_host=same_host)
+    return resolve_kind(config.kv_transfer, same_host=same_host)
+
+
+def key_name(spec: WorkerSpec) -> str:
+    return spec.key_name or spec.worker_id.partition("#")[0]
+
+
+def data_endpoint(config: EngineConfig, spec: WorkerSpec) -> Connector:
+    from triptych.connector import make_connector
+
+    kind = endpoint_kind(config, spec)
     keys = None
     if kind == "tcp" and config.worker_keys:
         from triptych.connector.auth import load_keys
-        keys = load_keys(config.worker_keys, spec.key_name or spec.worker_id.partition("#")[0])
+        keys = load_keys(config.worker_keys, key_name(spec))
     return make_connector(kind, name=spec.worker_id.replace("#", "-"),
                           header_type=wire.DataMsg, keys=keys,
                           bind_host=config.kv_transfer_host)

@@ -125,7 +125,10 @@ class ModelShape:
 class EngineCore:
     """Model + KV cache + scheduler + encoder of one worker; token ids in and out."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
+                 data_kind: str = "", key_name: str | None = None) -> None:
+        """``data_kind`` / ``key_name``: a pool worker's transport (and CURVE key) for its
+        tensor-parallel ranks' KV endpoints (rank to rank between groups)."""
         from transformers import AutoConfig
         from triptych.models import compute_mrope_positions
 
@@ -143,7 +146,7 @@ class EngineCore:
                 f"({config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         self.eos_token_id = eos_token_id
         # tensor_parallel_size > 1: this process is rank 0 of a group it starts here
-        self.group = start_group(config, hf, "engine", self.device)
+        self.group = start_group(config, hf, "engine", self.device, data_kind, key_name)
         try:
             self._load(config, backend)
         except BaseException:

@@ -57,6 +57,9 @@ class RankSpec(msgspec.Struct, kw_only=True):
     encoder_mode: str  # weights | data (resolved by rank 0)
     parent_pid: int  # rank 0: exit when it is gone
     num_threads: int = 1  # torch intra-op threads of this rank
+    data_kind: str = ""  # a pool worker's group: each rank's KV endpoint (shm | tcp), rank
+    # to rank with a group of the same size (engine/tp_kv.py); "": none
+    key_name: str | None = None  # CURVE key of the worker (tcp across hosts)
 
 
 def store_path(run_dir: str) -> str:
@@ -76,8 +79,10 @@ class TPGroup:
     """Rank 0's handle on its group: ``ctx`` for collectives, ``send`` for commands."""
 
     def __init__(self, config: dict[str, Any], size: int, role: str, encoder_mode: str,
-                 device: torch.device, num_threads: int | None = None) -> None:
+                 device: torch.device, num_threads: int | None = None, data_kind: str = "",
+                 key_name: str | None = None) -> None:
         self.size, self.role, self.encoder_mode = size, role, encoder_mode
+        self.rank_addresses: list[str] = []  # ranks 1..N-1's KV endpoints (data_kind set)
         self.broken: str | None = None
         self._closing = self._raised = False
         self.procs: list[subprocess.Popen] = []
@@ -98,9 +103,12 @@ class TPGroup:
             for r in range(1, size):
                 self._spawn(RankSpec(rank=r, size=size, run_dir=self.run_dir, config=config,
                                      role=role, encoder_mode=encoder_mode,
-                                     parent_pid=os.getpid(), num_threads=threads[r]))
+                                     parent_pid=os.getpid(), num_threads=threads[r],
+                                     data_kind=data_kind, key_name=key_name))
             store = dist.FileStore(store_path(self.run_dir), size)
             self._wait_joined(store)
+            if data_kind:  # each rank published its endpoint before it joined
+                self.rank_addresses = [store.get(f"addr/{r}").decode() for r in range(1, size)]
             self.ctx = TPContext.connect(store, 0, size, rank_device(device, 0))
             self._watch()
         except BaseException:
@@ -225,9 +233,11 @@ class TPGroup:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def start_group(config: Any, hf: Any, role: str, device: torch.device) -> TPGroup | None:
+def start_group(config: Any, hf: Any, role: str, device: torch.device, data_kind: str = "",
+                key_name: str | None = None) -> TPGroup | None:
     """Rank 0's group for ``config.tensor_parallel_size`` > 1 (None for one process), after
-    checking that the model splits that many ways (ValueError naming the sizes)."""
+    checking that the model splits that many ways (ValueError naming the sizes).
+    ``data_kind``: give each rank a KV endpoint of that transport (pool workers)."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
@@ -239,4 +249,5 @@ def start_group(config: Any, hf: Any, role: str, device: torch.device) -> TPGrou
     mode = resolve_encoder_mode(resolve_model_class(getattr(hf, "architectures", None)),
                                 config.mm_encoder_tp_mode, size)
     check_tp_sizes(hf, size, mode)
-    return TPGroup(dataclasses.asdict(config), size, role, mode, device)
+    return TPGroup(dataclasses.asdict(config), size, role, mode, device, data_kind=data_kind,
+                   key_name=key_name)

@@ -61,6 +61,9 @@ def run_rank(spec: Any) -> None:
     apply_thread_policy(max(1, spec.num_threads))
     config = EngineConfig(**spec.config)
     store = dist.FileStore(store_path(spec.run_dir), spec.size)
+    kv_io = _rank_kv(spec, config)
+    if kv_io is not None:  # published before joining: rank 0 reads it once all joined
+        store.set(f"addr/{spec.rank}", kv_io.address)
     store.set(f"joined/{spec.rank}", "1")
     device = rank_device(resolve_device(config.device), spec.rank)
     if device.type == "cuda":
@@ -96,15 +99,31 @@ def run_rank(spec: Any) -> None:
                 cmd, tensors = tp_wire.decode(sock.recv_multipart())
                 if isinstance(cmd, tp_wire.Stop):
                     return
-                execute(cmd, tensors, ctx, model, runner, shape, dtype, device)
+                execute(cmd, tensors, ctx, model, runner, shape, dtype, device, kv_io)
     finally:
+        if kv_io is not None:
+            kv_io.close()
         sock.close(0)
         zctx.term()
         ctx.close()
 
 
+def _rank_kv(spec: Any, config: Any) -> Any:
+    """This rank's KV endpoint (pool workers' groups), or None."""
+    if not spec.data_kind or spec.role != "engine":
+        return None
+    from triptych.engine.tp_kv import RankKV
+
+    keys = None
+    if spec.data_kind == "tcp" and config.worker_keys and spec.key_name:
+        from triptych.connector.auth import load_keys
+        keys = load_keys(config.worker_keys, spec.key_name)
+    name = f"{os.path.basename(spec.run_dir)}-r{spec.rank}"
+    return RankKV(spec.data_kind, name, spec.rank, keys, config.kv_transfer_host)
+
+
 def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, shape: Any,
-            dtype: Any, device: Any) -> None:
+            dtype: Any, device: Any, kv_io: Any = None) -> None:
     """One command, with the same collectives rank 0 runs for it."""
     import torch
     from triptych.encode.data_parallel import encode_data_parallel
@@ -136,6 +155,18 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
         ctx.gather(local_blocks(runner.kv_caches, cmd.block_ids))
     elif isinstance(cmd, tp_wire.WriteKV):
         runner.write_blocks(cmd.block_ids, tensors[0])
+    elif isinstance(cmd, tp_wire.SendKV):  # rank to rank: no gather through rank 0
+        data = local_blocks(runner.kv_caches, cmd.block_ids)
+        ok = kv_io is not None and kv_io.send(cmd.peer, cmd.request_id, cmd.first_block, data)
+        ctx.gather(torch.tensor([int(ok)], device=device))
+    elif isinstance(cmd, tp_wire.RecvKV):
+        data = kv_io.take(cmd.request_id, cmd.first_block, cmd.timeout_s) if kv_io else None
+        k = runner.kv_caches[0][0]
+        want = (len(runner.kv_caches), 2, len(cmd.block_ids), *k.shape[1:])
+        ok = data is not None and tuple(data.shape) == want and data.dtype == k.dtype
+        if ok:
+            runner.write_blocks(cmd.block_ids, data)
+        ctx.gather(torch.tensor([int(ok)], device=device))
 
 
 def main() -> None:

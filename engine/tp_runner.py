@@ -88,6 +88,38 @@ class TPModelRunner(ModelRunner):
             assert parts is not None
             return torch.cat([parts[r] for r in self._owners()], dim=4).cpu()
 
+    # -- rank to rank (engine/tp_kv.py): groups of the same size ---------------------------
+    def local_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[L, 2, n, block_size, rank 0's KV heads, D] host copy (its part of a transfer)."""
+        return local_blocks(self.kv_caches, block_ids).cpu()
+
+    def write_local(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write rank 0's heads of a rank-to-rank transfer."""
+        ModelRunner.write_blocks(self, block_ids, kv)
+
+    def send_slices(self, block_ids: list[int], peers: list[str], request_id: str,
+                    first_block: int) -> bool:
+        """Ranks 1..N-1 send their heads of these blocks to ``peers`` (the decode group's
+        ranks 1..N-1); True when every one of them did."""
+        with collective(self.group, "sending KV slices"):
+            self.group.send(None, cmds=[tp_wire.SendKV(block_ids, peer, request_id, first_block)
+                                        for peer in peers])
+            oks = self.group.ctx.gather(self._ok())
+        return all(int(t.item()) for t in oks[1:])
+
+    def recv_slices(self, block_ids: list[int], request_id: str, first_block: int,
+                    timeout_s: float) -> bool:
+        """Ranks 1..N-1 take their slices of this transfer into ``block_ids``; True when
+        every one of them did (a missing or malformed slice fails the transfer alone)."""
+        cmd = tp_wire.RecvKV(block_ids, request_id, first_block, timeout_s)
+        with collective(self.group, "receiving KV slices"):
+            self.group.send(None, cmds=[cmd] * (self.group.size - 1))
+            oks = self.group.ctx.gather(self._ok())
+        return all(int(t.item()) for t in oks[1:])
+
+    def _ok(self) -> torch.Tensor:
+        return torch.tensor([1], device=self.kv_caches[0][0].device)
+
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         # kv: [L, 2, n, block_size, all KV heads, D] -> each rank gets its heads
         local = self.kv_caches[0][0].shape[2]

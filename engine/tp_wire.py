@@ -53,11 +53,29 @@ class WriteKV(msgspec.Struct, tag="write_kv"):
     kv: ArrayMeta  # [num_layers, 2, n, block_size, local KV heads, head_dim]
 
 
+class SendKV(msgspec.Struct, tag="send_kv"):
+    """Send this rank's heads of these blocks to its counterpart in a decode group."""
+
+    block_ids: list[int]
+    peer: str  # the decode group's rank of the same number (its data address)
+    request_id: str
+    first_block: int
+
+
+class RecvKV(msgspec.Struct, tag="recv_kv"):
+    """Take this rank's slice of a transfer (from its counterpart) into these blocks."""
+
+    block_ids: list[int]  # the decode worker's reservation, chosen by rank 0
+    request_id: str
+    first_block: int
+    timeout_s: float  # the slice left before rank 0 got the transfer's header: short
+
+
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = Forward | Encode | ReadKV | WriteKV | Stop
+Command = Forward | Encode | ReadKV | WriteKV | SendKV | RecvKV | Stop
 STEP_ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q",
                "seq_lens", "sample_rows", "logits_index")
 _encoder = msgspec.msgpack.Encoder()

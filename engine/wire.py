@@ -61,6 +61,8 @@ class KVDest(msgspec.Struct, frozen=True):
     address: str  # its data-plane address (router-made, from its Hello)
     num_blocks: int  # blocks of the request's KV the decode worker reserved in all
     num_cached_blocks: int  # leading blocks its prefix cache already holds: not sent
+    rank_addresses: list[str] = []  # a tensor-parallel decode group: each rank's data
+    # address (rank 0's first); a prefill group of the same size sends rank to rank
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -115,6 +117,7 @@ class Hello(msgspec.Struct, tag="hello"):
     num_kv_blocks: int  # its KV cache size (0 for encode workers)
     data_address: str = ""  # its connector endpoint (pools), where peers send data
     encoder_cache_bytes: int = 0  # embedding bytes it can keep (router's encode routing)
+    rank_addresses: list[str] = []  # a tensor-parallel group's data addresses, rank by rank
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -174,6 +177,17 @@ class KVTransfer(msgspec.Struct, tag="kv"):
     first_block: int  # index (in the request's block list) of the first block carried
     final: bool = False  # the last chunk: every block has been sent
     first_token: int = -1  # with final: the token the prefill worker sampled
+    sliced: bool = False  # tensor 0 holds rank 0's KV heads only; every other rank of the
+    # prefill group sent its slice to the same rank of the decode group (KVSlice)
+
+
+class KVSlice(msgspec.Struct, tag="kvslice"):
+    """One rank's KV heads of a run of blocks, rank to rank between tensor-parallel groups;
+    tensor 0: [num_layers, 2, n, block_size, local KV heads, head_dim]."""
+
+    request_id: str
+    first_block: int  # the KVTransfer (from rank 0) this slice belongs with
+    rank: int  # the sender's rank (the receiver's must be the same)
 
 
 DataMsg = EmbeddingTransfer | KVTransfer

@@ -37,6 +37,7 @@ class KVSender:
         self.bytes_sent = 0
         self.seconds = 0.0
         self.transfers = 0  # requests whose KV was handed over in full
+        self.sliced = 0  # messages whose KV went rank to rank (tensor-parallel groups)
 
     def add(self, request_id: str, dest: wire.KVDest) -> None:
         self._out[request_id] = _Outgoing(dest, dest.num_cached_blocks)
@@ -84,10 +85,25 @@ class KVSender:
         t0 = time.perf_counter()
         run = block_ids[o.next_block:upto]
         runner = self.core.runner
-        data = runner.read_blocks(run) if run else torch.empty(
-            (len(runner.kv_caches), 2, 0, *runner.kv_block_shape),
-            dtype=runner.kv_caches[0][0].dtype)
-        header = wire.KVTransfer(rid, o.next_block, final, first_token)
-        self.bytes_sent += self.connector.send(o.dest.address, header, [data])
+        group = self.core.group
+        # Groups of the same size: every rank sends its own heads to its counterpart
+        # (engine/tp_kv.py); rank 0's go with the header. Else all heads, gathered here.
+        sliced = group is not None and len(o.dest.rank_addresses) == group.size
+        if sliced:
+            if run and not runner.send_slices(run, o.dest.rank_addresses[1:], rid,
+                                              o.next_block):
+                raise ConnectorError("a tensor-parallel rank could not send its KV slice")
+            shape = runner.kv_caches[0][0].shape[1:]  # rank 0's heads
+            data = runner.local_blocks(run) if run else None
+        else:
+            shape = runner.kv_block_shape
+            data = runner.read_blocks(run) if run else None
+        if data is None:
+            data = torch.empty((len(runner.kv_caches), 2, 0, *shape),
+                               dtype=runner.kv_caches[0][0].dtype)
+        header = wire.KVTransfer(rid, o.next_block, final, first_token, sliced)
+        self.sliced += sliced
+        sent = self.connector.send(o.dest.address, header, [data])
+        self.bytes_sent += sent * (group.size if sliced else 1)  # (the ranks' slices too)
         self.seconds += time.perf_counter() - t0
         o.next_block = upto

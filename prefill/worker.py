@@ -32,7 +32,9 @@ logger = logging.getLogger("triptych.prefill")
 class PrefillWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
-        self.core = EngineCore(config, eos_token_id=spec.eos_token_id)
+        from triptych.engine.data_endpoint import endpoint_kind, key_name
+        self.core = EngineCore(config, eos_token_id=spec.eos_token_id,
+                               data_kind=endpoint_kind(config, spec), key_name=key_name(spec))
         self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self.connector = data_endpoint(config, spec)
         self.sender = KVSender(self.core, self.connector)
@@ -123,6 +125,7 @@ class PrefillWorker(Handler):
         s = self.core.stats() | self.pixels.stats()
         s["kv_transfer_bytes_total"] = self.sender.bytes_sent
         s["kv_transfers_total"] = self.sender.transfers
+        s["kv_transfer_rank_to_rank_total"] = self.sender.sliced
         s["requests_waiting_for_embeddings"] = len(self.inbox)
         return s
 

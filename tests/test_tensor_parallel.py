@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
@@ -113,6 +112,26 @@ def test_kv_moves_between_groups_of_different_sizes(tiny_qwen2_vl):
         assert [o.outputs[0].token_ids for o in got] == want
         wait_until(lambda: pd.pools.stats().get("kv_transfers_total", 0) >= 3, 5,
                    "the prefill worker to report its transfers")
+    finally:
+        pd.close()
+
+
+def test_kv_moves_rank_to_rank_between_groups_of_the_same_size(tiny_qwen2_vl):
+    """P/D with 2 ranks on each side: each prefill rank sends its own KV heads to the decode
+    rank of the same number (nothing gathered through rank 0); outputs equal one engine's."""
+    convs = parity_mix()[:3]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_qwen2_vl, block_size=4).chat(
+        convs, sp, use_tqdm=False)]
+    pd = LLM(tiny_qwen2_vl, block_size=4, prefill_workers=1, decode_workers=1,
+             tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        got = pd.chat(convs, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        wait_until(lambda: pd.pools.stats().get("kv_transfer_rank_to_rank_total", 0) >= 3, 5,
+                   "the prefill worker to report rank-to-rank transfers")
+        s = pd.pools.stats()
+        assert s["kv_transfer_rank_to_rank_total"] >= s["kv_transfers_total"] >= 3
     finally:
         pd.close()
 
