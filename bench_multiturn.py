@@ -36,7 +36,9 @@ CONFIGS = {
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("multiturn", help="multi-turn image chats: each cache's effect on TTFT",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint to serve (default: the demo one)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint to serve (default: the ~106M random checkpoint of `bench "
+                        "throughput`; 'demo' for the tiny demo one)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="cache configurations to run")
     p.add_argument("--conversations", type=int, default=32, help="conversations")
     p.add_argument("--turns", type=int, default=4, help="turns per conversation")
@@ -136,9 +138,11 @@ def run(args: argparse.Namespace) -> int:
     import shlex
 
     from triptych.bench_layouts import serving
-    from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
+    from triptych.models.demo import BENCH_FLAGS, DEMO_FLAGS, tiny_checkpoint
 
-    model = args.model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+    model = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)
+    if model == "demo":
+        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
     rng = np.random.default_rng(args.seed)
     images = [_images(rng, args.image_size) for _ in range(args.conversations)]
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
