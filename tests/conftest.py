@@ -21,3 +21,26 @@ def tiny_qwen2_5_vl(tmp_path_factory) -> str:
     from triptych.models.tiny import make_tiny
 
     return make_tiny("qwen2_5_vl", str(tmp_path_factory.mktemp("tiny") / "qwen2_5_vl"), seed=0)
+
+
+def _our_files() -> set[str]:
+    """triptych's socket/run directories in the temp dir and its shared-memory entries."""
+    import glob
+    import tempfile
+
+    return (set(glob.glob(os.path.join(tempfile.gettempdir(), "triptych-*")))
+            | set(glob.glob("/dev/shm/triptych*")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """The whole session leaves no socket directory, run directory or /dev/shm entry behind
+    (set up first, so torn down last: after every server, pool and worker has stopped)."""
+    import time
+
+    before = _our_files()
+    yield
+    deadline = time.monotonic() + 10.0
+    while (left := _our_files() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the test session left these behind: {sorted(left)}"

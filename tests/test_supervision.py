@@ -4,10 +4,12 @@ requests fail fast (or move to a live worker and continue), it is restarted; sto
 killing the server leaves no process and no directory behind."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -34,6 +36,8 @@ def test_worker_survives_wire_garbage(tiny_qwen2_vl):
     spec = WorkerSpec(worker_id="decode-0#0", pool="decode", router_address="ipc:///nowhere",
                       config={"model": tiny_qwen2_vl, "block_size": 4, "max_model_len": 256,
                                   "kv_cache_memory": "16MiB"})
+    socket_dirs = os.path.join(tempfile.gettempdir(), f"triptych-{os.getpid()}-ipc-*")
+    before = set(glob.glob(socket_dirs))
     worker = DecodeWorker(spec)
     sp = SamplingParams(temperature=0, max_tokens=2)
     item = wire.WireMMItem("image", "h", 1, 4, [1, 4, 4], wire.TensorMeta("float32", [16, 8]))
@@ -59,17 +63,22 @@ def test_worker_survives_wire_garbage(tiny_qwen2_vl):
         wire.encode(wire.AddRequest("r10", [1, 2, 3], sp, output_token_ids=[-1])),
         wire.encode(wire.AbortRequest(["never-added"])),
     ]
-    sent = []
-    for frames in forged:
-        sent += _receive(worker, frames)
-    errors = {m.request_id for m in sent if isinstance(m, wire.RequestError)}
-    assert errors == {f"r{i}" for i in range(1, 11)}
-    assert not worker.has_work()
-    assert not _receive(worker, wire.encode(wire.AddRequest("ok", [1, 2, 3], sp)))
-    outs = []
-    while worker.has_work():
-        outs += [o for m in worker.step() for o in m.outputs]
-    assert [o.request_id for o in outs] == ["ok", "ok"] and outs[-1].finish_reason == "length"
+    try:
+        sent = []
+        for frames in forged:
+            sent += _receive(worker, frames)
+        errors = {m.request_id for m in sent if isinstance(m, wire.RequestError)}
+        assert errors == {f"r{i}" for i in range(1, 11)}
+        assert not worker.has_work()
+        assert not _receive(worker, wire.encode(wire.AddRequest("ok", [1, 2, 3], sp)))
+        outs = []
+        while worker.has_work():
+            outs += [o for m in worker.step() for o in m.outputs]
+        assert [o.request_id for o in outs] == ["ok", "ok"]
+        assert outs[-1].finish_reason == "length"
+    finally:
+        worker.close()  # its data endpoint's socket directory
+    assert set(glob.glob(socket_dirs)) <= before
 
 
 def test_a_failing_step_ends_only_the_request_that_causes_it(tiny_qwen2_vl, monkeypatch):
