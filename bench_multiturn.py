@@ -61,7 +61,7 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tok
     t0 = time.perf_counter()
     ttft, text, cached = None, "", 0
     body = {"model": model, "messages": messages, "stream": True, "temperature": 0,
-            "max_tokens": max_tokens, "ignore_eos": True,
+            "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     async with client.stream("POST", url, json=body, timeout=600) as r:
         if r.status_code != 200:
@@ -73,9 +73,10 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tok
             usage = chunk.get("usage")
             if usage:
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            # (a token arrives with its ids: a random checkpoint's often decode to no text)
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text += chunk["choices"][0]["delta"]["content"]
+                text += chunk["choices"][0]["delta"].get("content", "")
     return ttft if ttft is not None else time.perf_counter() - t0, text, cached
 
 

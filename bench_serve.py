@@ -2,7 +2,7 @@
 
 Requests carry random images (a fixed seed; --images-per-request and --image-size take a
 range / a list for a mixed load) and ask for a fixed number of tokens; arrivals are Poisson
-at --request-rate (inf = all at once). Streaming responses give TTFT (first content token),
+at --request-rate (inf = all at once). Streaming responses give TTFT (first generated token),
 ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)); goodput counts the
 requests per second that meet both SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms,
 DistServe's measure). A sweep over rates writes a JSON file and a PNG.
@@ -85,7 +85,9 @@ async def _one(client: Any, url: str, body: dict) -> Result:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk["choices"] or not chunk["choices"][0]["delta"].get("content"):
+                # A token arrives with its ids (return_token_ids): a random checkpoint's
+                # tokens often decode to no text, so content alone would miss them.
+                if not chunk["choices"] or not chunk["choices"][0].get("token_ids"):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -112,6 +114,7 @@ def _bodies(args: argparse.Namespace, model: str, rng: np.random.Generator) -> l
         bodies.append({"model": model, "stream": True,
                        "stream_options": {"include_usage": True},
                        "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                       "return_token_ids": True,
                        "messages": [{"role": "user", "content": [
                            *images, {"type": "text", "text": f"Describe picture {i}."}]}]})
     return bodies
