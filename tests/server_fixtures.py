@@ -58,6 +58,12 @@ def make_video(seconds: float, fps: int = 4, size: int = 56) -> bytes:
     return buf.getvalue()
 
 
+def image_chat(text: str, *images: Image.Image) -> list[dict]:
+    """One user message: the PIL images, then the text (the offline API's chat form)."""
+    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
 def user(*parts: dict) -> list[dict]:
     return [{"role": "user", "content": list(parts)}]
 
@@ -152,6 +158,13 @@ class ServerProc:
                 raise RuntimeError("server did not start:\n" + log_path.read_text()[-4000:])
             time.sleep(0.3)
         self.descendants = _children(self.proc.pid)  # P1 and multiprocessing's helper
+
+    def openai_client(self, timeout: float = 600.0):
+        """The real `openai` client on this server, without retries (a test sees every error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0,
+                             timeout=timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:

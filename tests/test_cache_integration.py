@@ -36,7 +36,7 @@ def server(tiny_qwen2_vl, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return server.openai_client(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
     s = ServerProc(tiny_qwen2_vl, tmp_path / "a.log", *args)
     pid = s.proc.pid
     try:
-        c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        c = s.openai_client(timeout=60)
         msgs = user(image_part(IMAGE), text_part("What is it?"))
         other = user(text_part("Different start."), image_part(IMAGE), text_part("Again?"))
         assert ask(c, msgs).choices[0].message.content == want(uncached, msgs)
@@ -187,8 +187,7 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
         try:
             assert not glob.glob(f"/dev/shm/triptych-{pid}-*")
             pid2 = s2.proc.pid
-            c2 = openai.OpenAI(base_url=s2.base + "/v1", api_key="x", max_retries=0,
-                               timeout=60)
+            c2 = s2.openai_client(timeout=60)
             assert ask(c2, msgs).choices[0].message.content == want(uncached, msgs)
         finally:
             s2.stop(signal.SIGTERM)

@@ -6,24 +6,20 @@ mm-hash guard), preemption, Qwen2.5-VL's window attention.
 """
 from __future__ import annotations
 
-import numpy as np
+import os
+import sys
+
 import pytest
 from PIL import Image
 
 from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
+sys.path.insert(0, os.path.dirname(__file__))
+from server_fixtures import image_chat as chat  # noqa: E402
+from server_fixtures import img as image  # noqa: E402
+
 MAX_TOKENS = 6
-
-
-def image(seed: int, w: int, h: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def chat(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def offline(tiny_qwen2_vl):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=180)
+    return server.openai_client(timeout=180)
 
 
 def want(offline: LLM, msgs: list[dict], n: int) -> str:

@@ -9,27 +9,17 @@ import signal
 import sys
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import ServerProc, data_url, image_part, img, png, text_part, user
+from server_fixtures import image_chat as chat
+from server_fixtures import img as image
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def image(seed: int, w: int, h: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3),
-                                                                dtype=np.uint8))
-
-
-def chat(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 # The parity mix: odd sizes, two images, text only, an image whose span straddles a chunk
@@ -131,9 +121,8 @@ def e_p_d_server(tiny_qwen2_vl, tmp_path_factory):
 
 
 def test_serve_1e1p1d_equals_offline(e_p_d_server, tiny_qwen2_vl):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=e_p_d_server.base + "/v1", api_key="x", max_retries=0,
-                           timeout=120)
+    pytest.importorskip("openai")
+    client = e_p_d_server.openai_client(timeout=120)
     offline = LLM(tiny_qwen2_vl, block_size=4, max_model_len=512)
     for msgs in (user(image_part(data_url(png(img(1, 56, 84)))), text_part("What is it?")),
                  user(text_part("Only words here.")),

@@ -65,7 +65,7 @@ def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def png_bomb(w: int = 100_000, h: int = 100_000) -> bytes:

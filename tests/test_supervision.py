@@ -204,8 +204,7 @@ def test_garbage_on_the_router_socket_changes_nothing(one_worker):
 
 
 def test_engine_death_fails_in_flight_fast_then_restarts(one_worker):
-    client = openai.OpenAI(base_url=one_worker.base + "/v1", api_key="x", max_retries=0,
-                           timeout=60)
+    client = one_worker.openai_client(timeout=60)
     out: dict = {}
     t = threading.Thread(target=_stream_text,
                          args=(client, user(text_part("Tell me a long story.")), 1500, out, "a"))
@@ -262,8 +261,7 @@ def test_a_dead_decode_worker_hands_its_stream_to_another(tiny_qwen2_vl, tmp_pat
                    "--max-model-len", "2048", "--data-parallel-size", "2",
                    "--served-model-name", "tiny")
     try:
-        client = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0,
-                               timeout=120)
+        client = s.openai_client(timeout=120)
         out: dict = {}
         ta = threading.Thread(target=_stream_text, args=(client, msgs_a, n_a, out, "a"))
         ta.start()

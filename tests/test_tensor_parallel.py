@@ -18,28 +18,18 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import _children, alive
+from server_fixtures import image_chat as chat
+from server_fixtures import img as image
 
 KNOBS = {"block_size": 4, "num_kv_blocks": 24, "max_num_seqs": 8, "max_num_batched_tokens": 16}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
-
-
-def image(seed: int, w: int, h: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def chat(text: str, *images: Image.Image) -> list[dict]:
-    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 def parity_mix() -> list[list[dict]]:
