@@ -121,16 +121,28 @@ def _die_with_parent() -> None:
         pass
 
 
+_stopping = False  # a stop signal was taken: later ones (the kernel may send the death
+# signal again, SIGTERM may follow) must not raise inside the clean-up path
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Stop("SIGTERM")
+    global _stopping
+    if not _stopping:
+        _stopping = True
+        raise _Stop("SIGTERM")
 
 
 def _on_parent_death(signum: int, frame: Any) -> None:
-    raise _Orphaned("the API server process is gone")
+    global _stopping
+    if not _stopping:
+        _stopping = True
+        raise _Orphaned("the API server process is gone")
 
 
 def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) -> None:
     """Process entry point of every pool worker."""
+    global _stopping
+    orphaned = False
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[{spec.worker_id}]: "
                                "%(message)s")
@@ -159,14 +171,13 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         _send(sock, handler.hello(spec), spec)
         _loop(spec, handler, sock)
     except _Stop as e:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):  # one stop is enough
-            signal.signal(sig, signal.SIG_IGN)
+        _stopping = True
         logger.info("worker stops (%s)", e)
-        if isinstance(e, _Orphaned):
-            _remove_run_dir(spec)
+        orphaned = isinstance(e, _Orphaned)  # getppid() may still name the dying parent
     finally:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+        _stopping = True  # from here on a signal changes nothing
+        if orphaned or (spec.parent_pid and os.getppid() != spec.parent_pid):
+            _remove_run_dir(spec)  # whatever ended the loop: an orphan cleans up for P0
         if handler is not None:
             handler.close()
         sock.close(0)
@@ -197,7 +208,9 @@ def _remove_run_dir(spec: WorkerSpec) -> None:
 
 
 def _check_parent(spec: WorkerSpec) -> None:
+    global _stopping
     if spec.parent_pid and os.getppid() != spec.parent_pid:
+        _stopping = True
         raise _Orphaned("the API server process is gone")
 
 
