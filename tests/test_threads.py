@@ -56,3 +56,41 @@ def test_cli_reads_cpu_threads_before_parsing():
     assert _early_cpu_threads(["serve", "--model", "m", "--cpu-threads=1"]) == 1
     assert _early_cpu_threads(["serve", "--cpu-threads", "x"]) is None  # argparse reports it
     assert _early_cpu_threads(["chat"]) is None
+
+
+ALLOCATOR_CHILD = """
+import json, os
+from triptych.engine.threads import apply_thread_policy
+apply_thread_policy(1)  # every torch process of ours comes through here
+import torch
+from triptych.engine import allocator
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+r0 = rss()
+ts = [torch.ones(1 << 18) for _ in range(64)]  # 64 x 1 MiB, every page touched
+r1 = rss()
+del ts
+print(json.dumps({"applied": allocator._applied, "kept": (rss() - r0) / (r1 - r0)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, /proc")
+@pytest.mark.parametrize("env,applied", [({}, True),
+                                         ({"TRIPTYCH_MALLOC_POLICY": "default"}, False),
+                                         ({"MALLOC_TRIM_THRESHOLD_": "0"}, False)])
+def test_allocator_policy_keeps_freed_pages_unless_the_user_chose(env, applied):
+    """With the policy, memory a step frees stays mapped for the next step (no page faults
+    to get it back); a user's own glibc setting, or TRIPTYCH_MALLOC_POLICY=default, wins."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",
+                                                          "TRIPTYCH_MALLOC_POLICY")}
+    out = subprocess.run([sys.executable, "-c", ALLOCATOR_CHILD], env={**base, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["applied"] is applied
+    if applied:
+        assert got["kept"] > 0.8  # freed, still mapped: the next step reuses the pages
+    else:
+        assert got["kept"] < 0.3  # glibc's defaults: 1 MiB blocks go back to the kernel
