@@ -57,7 +57,8 @@ class EncodeWorker(Handler):
         self.group = start_group(config, hf, "encode", device)
         model, hf = load_model(config.model, dtype, str(device), backend,
                                tp=self.group.ctx if self.group else None,
-                               shard_vision=self.group is None or self.group.encoder_mode == "weights")
+                               shard_vision=self.group is None or self.group.encoder_mode == "weights",
+                               cpu_gemm=config.cpu_gemm)
         encode_fn = model.encode_images if self.group is None else \
             TPEncoder(self.group, model, self.shape.hidden_size, dtype)
         self.runner = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,

@@ -182,7 +182,7 @@ class EngineCore:
         g = self.group
         self.model, self.hf_config = load_model(
             config.model, self.dtype, str(self.device), backend, tp=g.ctx if g else None,
-            shard_vision=g is None or g.encoder_mode == "weights")
+            shard_vision=g is None or g.encoder_mode == "weights", cpu_gemm=config.cpu_gemm)
         tp = config.tensor_parallel_size
         self.num_blocks = num_kv_blocks(config, self.shape, self.dtype, self.device, tp)
         cache = EncoderCache(config.encoder_cache_size)

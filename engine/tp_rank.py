@@ -73,7 +73,7 @@ def run_rank(spec: Any) -> None:
     dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
     backend = resolve_backend(config.attention_backend, device.type)
     model, hf = load_model(config.model, dtype, str(device), backend, tp=ctx,
-                           shard_vision=spec.encoder_mode == "weights")
+                           shard_vision=spec.encoder_mode == "weights", cpu_gemm=config.cpu_gemm)
     shape = ModelShape.from_hf(hf)
     runner = None
     if spec.role == "engine":

@@ -50,10 +50,12 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str,
                attention_backend: str = "torch", tp: TPContext | None = None,
-               shard_vision: bool = True) -> tuple[Any, Any]:
+               shard_vision: bool = True, cpu_gemm: str = "torch") -> tuple[Any, Any]:
     """(model in eval mode on ``device``, HF config) from a local checkpoint directory.
 
     With ``tp``, this rank's shard of the model (``shard_vision`` False: whole vision tower).
+    ``cpu_gemm="onednn"``: an fp32 model on the CPU runs its linear layers (and LM head) on
+    weights packed for oneDNN (kernels/cpu_linear.py); the engine's processes ask for it.
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
     a shape mismatch."""
     from transformers import AutoConfig
@@ -64,4 +66,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     model = cls(config, dtype=dtype, device=device, attention_backend=attention_backend,
                 **extra)
     model.load_weights(iter_weights(model_dir))
-    return model.eval().requires_grad_(False), config
+    model = model.eval().requires_grad_(False)
+    if cpu_gemm == "onednn" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from triptych.kernels.cpu_linear import available, pack_linears
+
+        if available():
+            pack_linears(model)
+            model.pack_head = True  # compute_logits packs its own copy of the head
+    return model, config

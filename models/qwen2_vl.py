@@ -25,7 +25,6 @@ from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 
 logger = logging.getLogger("triptych.models")
-_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def rope_config(text: Any) -> tuple[float, list[int]]:
@@ -171,7 +170,8 @@ class Qwen2VLForCausalLM(nn.Module):
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 "
                              f"= {self.head_dim // 2}")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self._head_onednn: torch.Tensor | None = None  # CPU fp32: oneDNN copy of the head
+        self.pack_head = False  # set by load_model(cpu_gemm="onednn"): CPU fp32 only
+        self._head_gemm: Any = None  # CpuGemm: a packed copy of the head, made on first use
         # Build on the meta device: no random init, no fp32 copy of a big model on the host.
         with torch.device("meta"):
             self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
@@ -218,15 +218,14 @@ class Qwen2VLForCausalLM(nn.Module):
         gathers the slices)."""
         w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
              else self.lm_head.weight)
-        if hidden.device.type == "cpu" and w.dtype == torch.float32 and _ONEDNN:
-            # NOTE: the head is the widest GEMM of a decode step (vocab ~152k). On CPU, MKL's
-            # sgemm ran it ~30% slower than oneDNN here (AMD EPYC, 2 cores), while the
-            # narrower layers were as fast or faster with MKL; so only the head goes through
-            # oneDNN, from a copy of the frozen weight in its blocked layout.
-            if self._head_onednn is None:
-                self._head_onednn = w.detach().to_mkldnn()
-            return torch._C._nn.mkldnn_linear(hidden.contiguous().to_mkldnn(), self._head_onednn,
-                                              None).to_dense()
+        if self.pack_head and hidden.device.type == "cpu":
+            # The head is the widest GEMM of a decode step (vocab ~152k): oneDNN on a packed
+            # copy of the frozen weight (kernels/cpu_linear.py; the embedding keeps its own).
+            if self._head_gemm is None:
+                from triptych.kernels.cpu_linear import CpuGemm
+
+                self._head_gemm = CpuGemm(w, None)
+            return self._head_gemm(hidden)
         return F.linear(hidden, w).float()
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor

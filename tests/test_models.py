@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.request import MMItem
 from triptych.kernels import get_ops
+from triptych.kernels.cpu_linear import available as cpu_linear_available
 from triptych.models import compute_mrope_positions, load_model
 
 IMG, VID, VSTART, VEND = 290, 291, 292, 293
@@ -214,6 +215,29 @@ def test_prompt_logits_match_hf(pair, case):
     positions, _ = mrope(ours, ids, items)
     got = PagedSeq(ours).step(our_embeds(ours, ids, items, pixels), positions, 0)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_linear_available(), reason="no oneDNN packed linear in this build")
+def test_packed_cpu_linears_match_hf(pair):
+    """The engine's CPU path (load_model(cpu_gemm="onednn")): every linear layer on a packed
+    oneDNN weight, the head on its own packed copy; vision and logits still match HF."""
+    hf, _, path = pair
+    ours, _ = load_model(str(path), torch.float32, "cpu", cpu_gemm="onednn")
+    linears = [m for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear)
+               and not n.endswith("lm_head")]
+    assert linears and all(hasattr(m, "cpu_gemm") and m.weight.numel() == 0 for m in linears)
+    pv, grid = images((140, 112), (56, 84))
+    with torch.no_grad():
+        ref = hf.model.get_image_features(pv, grid).pooler_output
+        got = ours.encode_images(pv, grid)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    layout, pixels, mm = full_prompt_case("two_images")
+    ids, items, types = prompt(layout)
+    positions, _ = mrope(ours, ids, items)
+    logits = PagedSeq(ours).step(our_embeds(ours, ids, items, pixels), positions, 0)
+    assert ours._head_gemm is not None  # the head ran packed
+    torch.testing.assert_close(logits, hf_logits(hf, ids, types, **mm), atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_and_paged_decode(pair):
