@@ -15,6 +15,8 @@ Why (docs/performance.md, 2-core AMD EPYC with AVX-512, torch 2.13 CPU wheel):
   its thread count from its size: one thread per ``min_flops_per_thread`` of work, at most
   the process's threads. With a spinning wait policy (the user set OMP_WAIT_POLICY=ACTIVE
   or GOMP_SPINCOUNT) wake-ups are cheap and the bar is much lower.
+  NOTE: torch's thread count is process-wide; the switch is safe because a worker runs
+  its model from one thread (nothing else in the process issues torch ops meanwhile).
 
 Outputs differ from ``F.linear`` by float rounding only (another summation order), like
 any change of GEMM library; greedy outputs stay equal to HF in the parity tests.
