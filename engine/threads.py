@@ -34,6 +34,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from triptych.engine.allocator import apply_allocator_policy
+
 logger = logging.getLogger("triptych.threads")
 
 # Variables that choose how idle OpenMP threads wait; a user who set any keeps all of theirs.
@@ -119,8 +121,6 @@ def apply_thread_policy(num_threads: int | None) -> int:
     """
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {num_threads}")
-    from triptych.engine.allocator import apply_allocator_policy
-
     apply_allocator_policy()  # keep freed pages mapped (engine/allocator.py)
     n = num_threads or _env_threads() or host_cores()
     if "torch" not in sys.modules:

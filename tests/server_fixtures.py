@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -219,3 +220,14 @@ class ServerProc:
             if v == value or time.time() > deadline:
                 return v
             time.sleep(0.1)
+
+
+def module_server(model: str | None, tmp_path_factory, *args: str) -> Iterator[ServerProc]:
+    """A module fixture's server: ``yield from module_server(...)``; killed (no clean
+    shutdown) and every process it started ended when the module is done."""
+    s = ServerProc(model, tmp_path_factory.mktemp("log") / "serve.log", *args)
+    try:
+        yield s
+    finally:
+        s.stop(signal.SIGKILL)
+        s.cleanup_descendants()

@@ -16,7 +16,16 @@ import pytest
 from triptych import LLM, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, data_url, image_part, img, png, text_part, user
+from server_fixtures import (
+    ServerProc,
+    data_url,
+    image_part,
+    img,
+    module_server,
+    png,
+    text_part,
+    user,
+)
 
 openai = pytest.importorskip("openai")
 MAX_TOKENS = 6
@@ -26,12 +35,9 @@ OTHER = data_url(png(img(78, 84, 112)))
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", "1024",
-                   "--served-model-name", "tiny")
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", "1024",
+                             "--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from server_fixtures import (
     data_url,
     image_part,
     img,
+    module_server,
     png,
     separated_prompt,
     text_part,
@@ -37,14 +38,11 @@ MAX_LEN = 2048
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", str(MAX_LEN),
-                   "--max-num-batched-tokens", "16", "--encode-workers", "2",
-                   "--prefill-workers", "2", "--decode-workers", "2",
-                   "--served-model-name", "tiny")
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", str(MAX_LEN),
+                             "--max-num-batched-tokens", "16", "--encode-workers", "2",
+                             "--prefill-workers", "2", "--decode-workers", "2",
+                             "--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module")

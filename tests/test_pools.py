@@ -14,7 +14,7 @@ from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, data_url, image_part, img, png, text_part, user
+from server_fixtures import data_url, image_part, img, module_server, png, text_part, user
 from server_fixtures import image_chat as chat
 from server_fixtures import img as image
 
@@ -111,13 +111,10 @@ def test_decode_side_prefix_hits_and_preemption(tiny_qwen2_vl, reference):
 
 @pytest.fixture(scope="module")
 def e_p_d_server(tiny_qwen2_vl, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", "512", "--encode-workers", "1",
-                   "--prefill-workers", "1", "--decode-workers", "1",
-                   "--served-model-name", "tiny")
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", "512", "--encode-workers", "1",
+                             "--prefill-workers", "1", "--decode-workers", "1",
+                             "--served-model-name", "tiny")
 
 
 def test_serve_1e1p1d_equals_offline(e_p_d_server, tiny_qwen2_vl):

@@ -18,13 +18,13 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import (
-    ServerProc,
     alive,
     data_url,
     file_server,
     image_part,
     img,
     make_video,
+    module_server,
     png,
     text_part,
     user,
@@ -52,15 +52,12 @@ def files(media_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", "512",
-                   "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
-                   "--allowed-local-media-path", str(media_dir / "sub"),
-                   "--max-image-pixels", "1000000", "--max-video-seconds", "3",
-                   "--max-request-bytes", str(MAX_BODY), "--served-model-name", "tiny")
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", "512",
+                             "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                             "--allowed-local-media-path", str(media_dir / "sub"),
+                             "--max-image-pixels", "1000000", "--max-video-seconds", "3",
+                             "--max-request-bytes", str(MAX_BODY), "--served-model-name", "tiny")
 
 
 @pytest.fixture(scope="module")

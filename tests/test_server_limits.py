@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import threading
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, data_url, image_part, img, png, text_part, user
+from server_fixtures import data_url, image_part, img, module_server, png, text_part, user
 
 MAX_BODY = 4 << 20
 MAX_PENDING = 4
@@ -39,14 +38,12 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", "512", "--served-model-name", "tiny",
-                   "--allowed-local-media-path", str(media_dir / "sub"), "--max-n", "4",
-                   "--max-pending-requests", str(MAX_PENDING),
-                   "--max-request-bytes", str(MAX_BODY))
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", "512",
+                             "--served-model-name", "tiny",
+                             "--allowed-local-media-path", str(media_dir / "sub"), "--max-n", "4",
+                             "--max-pending-requests", str(MAX_PENDING),
+                             "--max-request-bytes", str(MAX_BODY))
 
 
 def nan_json(**fields: object) -> bytes:

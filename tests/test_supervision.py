@@ -19,7 +19,15 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, _children, alive, separated_prompt, text_part, user
+from server_fixtures import (
+    ServerProc,
+    _children,
+    alive,
+    module_server,
+    separated_prompt,
+    text_part,
+    user,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -172,12 +180,9 @@ def _all_descendants(s: ServerProc) -> list[int]:
 
 @pytest.fixture(scope="module")
 def one_worker(tiny_qwen2_vl, tmp_path_factory):
-    s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
-                   "--block-size", "4", "--max-model-len", "2048",
-                   "--served-model-name", "tiny")
-    yield s
-    s.stop(signal.SIGKILL)
-    s.cleanup_descendants()
+    yield from module_server(tiny_qwen2_vl, tmp_path_factory,
+                             "--block-size", "4", "--max-model-len", "2048",
+                             "--served-model-name", "tiny")
 
 
 def test_garbage_on_the_router_socket_changes_nothing(one_worker):
