@@ -24,9 +24,9 @@ SUBCOMMANDS = {
     "serve": ("triptych.api.serve_cmd", "OpenAI-compatible HTTP server (chat, completions, metrics)"),
     "chat": ("triptych.chat_cmd", "interactive multi-turn chat in the terminal"),
     "make-tiny": ("triptych.models.tiny", "write a tiny random HF-format checkpoint (tests, demos)"),
-    "bench": ("triptych.bench", "benchmarks: offline throughput vs HF, serving load"),
+    "bench": ("triptych.bench.throughput", "benchmarks: offline throughput vs HF, serving load"),
     "keys": ("triptych.connector.keys_cmd", "make CURVE keypairs for pool workers across hosts"),
-    "worker": ("triptych.engine.worker_cmd", "a pool worker on another host (joins a router)"),
+    "worker": ("triptych.worker.remote_cmd", "a pool worker on another host (joins a router)"),
 }
 
 _HELP_SKIP = {"model"}
@@ -183,7 +183,7 @@ def _early_cpu_threads(argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from triptych.engine.threads import apply_thread_policy, early_env
+    from triptych.worker.threads import apply_thread_policy, early_env
 
     early_env(_early_cpu_threads(argv))  # before torch is imported anywhere
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,8 +31,8 @@ PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}}
 class LLM:
     def __init__(self, model: str, **knobs: Any) -> None:
         from transformers import AutoConfig, AutoTokenizer
-        from triptych.api.layout import Layout
-        from triptych.api.media import MediaLimits
+        from triptych.router.layout import Layout
+        from triptych.api.media.decode import MediaLimits
         from triptych.api.processor import InputProcessor
         from triptych.engine.engine_core import resolve_max_model_len
         from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
@@ -64,7 +64,7 @@ class LLM:
             self._local_pixels = LocalPixels(cache_bytes, self.processor)
             self.processor.fill_pixels = self._local_pixels.fill
         elif not in_process:
-            from triptych.api.router_thread import RouterThread
+            from triptych.router.thread import RouterThread
             self.pools = RouterThread(self.config, tokenizer, self.processor)
         self._ids = itertools.count()
 

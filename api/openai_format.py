@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from triptych.engine import wire
+from triptych.worker import wire
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
 MAX_MESSAGE_CHARS = 500

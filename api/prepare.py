@@ -11,8 +11,8 @@ from typing import Any
 
 import anyio
 from triptych.api.errors import APIError
-from triptych.api.media import MediaError, PixelBudget
-from triptych.api.media_prefetch import MediaFetcher
+from triptych.api.media.decode import MediaError, PixelBudget
+from triptych.api.media.prefetch import MediaFetcher
 from triptych.api.openai_format import PromptInfo
 from triptych.api.processor import InputProcessor, ProcessedPrompt
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest

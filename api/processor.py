@@ -6,7 +6,7 @@ expands them; items get their placeholder offset, pixel values and a content has
 Placeholders are built here and only here: client text may not carry them, and the engine
 re-validates what it receives (engine/validate.py).
 
-Images go through HF's PIL image processor; videos through api/video.py (HF's video
+Images go through HF's PIL image processor; videos through api/media/video.py (HF's video
 processor needs torchvision, see models/tiny.py).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from triptych.api.media import (
+from triptych.api.media.decode import (
     MediaError,
     MediaLimits,
     decode_image,
@@ -30,7 +30,7 @@ from triptych.api.media import (
     load_video,
     read_media_bytes,
 )
-from triptych.api.video import preprocess_video
+from triptych.api.media.video import preprocess_video
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
 from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triptych.api.errors import APIError, bad_request
-from triptych.api.media import MediaLimits
+from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.engine.sampling_params import SamplingParams
 

@@ -122,8 +122,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
                  fps: float) -> None:
     import uvicorn
     from transformers import AutoConfig
-    from triptych.api.router import Router
-    from triptych.api.media import MediaLimits
+    from triptych.router.router import Router
+    from triptych.api.media.decode import MediaLimits
     from triptych.api.processor import InputProcessor
     from triptych.api.request_checks import ServerLimits
     from triptych.api.server import AppConfig, build_app

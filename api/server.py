@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from triptych import __version__
 from triptych.api.errors import APIError
-from triptych.api.media_prefetch import MediaFetcher
+from triptych.api.media.prefetch import MediaFetcher
 from triptych.api.metrics import Metrics
 from triptych.api.middleware import BodyLimitMiddleware, RequestIdMiddleware, error_response
 from triptych.api.openai_format import Formatter, Shape

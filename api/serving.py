@@ -21,12 +21,12 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from triptych.api.router import EngineDeadError
+from triptych.router.router import EngineDeadError
 from triptych.api.errors import APIError
 from triptych.api.metrics import Metrics, RequestTimes
 from triptych.api.openai_format import Choice, Formatter, PromptInfo
 from triptych.api.processor import ProcessedPrompt
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("triptych.api")

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.block_hash import extend_block_hashes
 from triptych.engine.block_pool import KVBlock
 from triptych.engine.engine_core import EngineCore

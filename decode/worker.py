@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 import zmq
 from triptych.config import EngineConfig
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.request import MMItem, Request, RequestStatus
-from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.worker.loop import Handler, WorkerSpec, main
 from triptych.mmcache.consumer import WorkerPixels, items_from_wire
 
 logger = logging.getLogger("triptych.decode")
@@ -34,7 +34,7 @@ class DecodeWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
         self.pooled = spec.pool == "decode"  # pools exchange data through a connector
-        from triptych.engine.data_endpoint import endpoint_kind, key_name
+        from triptych.worker.data_endpoint import endpoint_kind, key_name
         self.core = EngineCore(config, eos_token_id=spec.eos_token_id,
                                data_kind=endpoint_kind(config, spec) if self.pooled else "",
                                key_name=key_name(spec))
@@ -42,8 +42,8 @@ class DecodeWorker(Handler):
         self.connector = self.receiver = self.inbox = None
         if self.pooled:
             from triptych.decode.kv_receiver import KVReceiver
-            from triptych.engine.data_endpoint import data_endpoint
-            from triptych.prefill.inbox import EmbeddingInbox
+            from triptych.worker.data_endpoint import data_endpoint
+            from triptych.worker.embedding_inbox import EmbeddingInbox
 
             self.connector = data_endpoint(config, spec)
             self.receiver = KVReceiver(self.core, config.kv_transfer_timeout)

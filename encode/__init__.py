@@ -1,5 +1,4 @@
-"""Encode pool: the vision tower behind an items-in, embeddings-out boundary."""
-from triptych.encode.encoder_cache import EncoderCache
-from triptych.encode.encoder_runner import EncoderRunner
+"""Encode pool: the worker that runs the vision tower for other pools (``encode/worker.py``).
 
-__all__ = ["EncoderCache", "EncoderRunner"]
+The vision tower's runner and the encoder cache live in ``engine/`` (every model-running
+worker uses them); this room holds only what the encode pool adds."""

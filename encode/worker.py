@@ -19,16 +19,16 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import ConnectorError
-from triptych.encode.encoder_cache import EncoderCache
-from triptych.encode.encoder_runner import EncoderRunner
-from triptych.engine import wire
-from triptych.engine.data_endpoint import data_endpoint
+from triptych.engine.encoder_cache import EncoderCache
+from triptych.engine.encoder_runner import EncoderRunner
+from triptych.worker import wire
+from triptych.worker.data_endpoint import data_endpoint
 from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtype
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
-from triptych.engine.tp_group import start_group
-from triptych.engine.tp_runner import TPEncoder
-from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.parallel.group import start_group
+from triptych.parallel.runner import TPEncoder
+from triptych.worker.loop import Handler, WorkerSpec, main
 from triptych.mmcache.consumer import WorkerPixels
 
 logger = logging.getLogger("triptych.encode")

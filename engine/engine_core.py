@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig, parse_size
-from triptych.encode import EncoderCache, EncoderRunner
+from triptych.engine.encoder_cache import EncoderCache
+from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.kv_cache_manager import KVCacheManager
 from triptych.engine.model_runner import ModelRunner
 from triptych.engine.outputs import EngineCoreOutput
@@ -28,10 +29,10 @@ from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler, SchedulerOutput
 from triptych.engine.timings import RequestTimings
-from triptych.engine.tp_group import start_group
+from triptych.parallel.group import start_group
 from triptych.engine.validate import validate_request
 from triptych.kernels import get_ops, resolve_backend
-from triptych.models.parallel import TPGroupError
+from triptych.parallel.context import TPGroupError
 
 logger = logging.getLogger("triptych.engine")
 
@@ -175,7 +176,7 @@ class EngineCore:
 
     def _load(self, config: EngineConfig, backend: str) -> None:
         """Model, KV block count, encoder runner and model runner: this process's own, or
-        rank 0's part of the group's (the other ranks load theirs in engine/tp_rank.py)."""
+        rank 0's part of the group's (the other ranks load theirs in parallel/rank.py)."""
         from triptych.models import load_model
         from triptych.models.tp_plan import local_kv_heads
 
@@ -196,7 +197,7 @@ class EngineCore:
             self.runner = ModelRunner(self.model, self.encoder,
                                       num_kv_heads=self.shape.num_kv_heads, **kw)
             return
-        from triptych.engine.tp_runner import TPEncoder, TPModelRunner
+        from triptych.parallel.runner import TPEncoder, TPModelRunner
 
         kw["num_blocks"] = self.num_blocks = g.ctx.min_int(self.num_blocks)  # ranks agree
         self.encoder = EncoderRunner(TPEncoder(g, self.model, self.shape.hidden_size, self.dtype),

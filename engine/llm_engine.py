@@ -25,7 +25,7 @@ from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput, RequestOutput
 from triptych.engine.request import MMItem
 from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.threads import apply_thread_policy
+from triptych.worker.threads import apply_thread_policy
 
 logger = logging.getLogger("triptych.engine")
 

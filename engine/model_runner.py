@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.encode.encoder_runner import EncoderRunner
+from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.input_batch import InputBatch, StepInputs
 from triptych.engine.request import MMItem, Request

@@ -11,7 +11,7 @@ Why (docs/performance.md, 2-core AMD EPYC with AVX-512, torch 2.13 CPU wheel):
   (e.g. 32x256 @ 256x1376: 260 -> 120 us; a 152k-row LM head at M=64: 98 -> 38 ms) and a
   3,200-token prefill GEMM 2.3x faster.
 - Waking an idle OpenMP thread costs ~100 us on this VM under the passive wait policy
-  (engine/threads.py), more than a small GEMM's whole run on one core. So each call picks
+  (worker/threads.py), more than a small GEMM's whole run on one core. So each call picks
   its thread count from its size: one thread per ``min_flops_per_thread`` of work, at most
   the process's threads. With a spinning wait policy (the user set OMP_WAIT_POLICY=ACTIVE
   or GOMP_SPINCOUNT) wake-ups are cheap and the bar is much lower.

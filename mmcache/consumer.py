@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.request import MMItem
 from triptych.mmcache.lru import (
     DATA,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from triptych.models.parallel import TPContext
+from triptych.parallel.context import TPContext
 from triptych.models.registry import resolve_model_class
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from triptych.kernels.cpu_linear import linear
-from triptych.models.parallel import TPContext
+from triptych.parallel.context import TPContext
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
-from triptych.models.parallel import TPContext
+from triptych.parallel.context import TPContext
 from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 

@@ -10,7 +10,7 @@ and even `Qwen2VLProcessor(image_processor=..., tokenizer=..., video_processor=N
 (its class check walks the video-processor registry). Choice: no HF processor object;
 api/processor.py pairs the tokenizer with `AutoImageProcessor(backend="pil")` (the PIL
 processor), expands placeholders as Qwen2VLProcessor does, and preprocesses videos itself
-(api/video.py) from video_preprocessor_config.json.
+(api/media/video.py) from video_preprocessor_config.json.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from triptych.models.attention import PagedAttention
-from triptych.models.parallel import TPContext
+from triptych.parallel.context import TPContext
 from triptych.models.parallel_layers import (
     FusedLinear,
     RowParallelLinear,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from triptych.connector import Connector, ConnectorError
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.outputs import EngineCoreOutput
 
@@ -87,7 +87,7 @@ class KVSender:
         runner = self.core.runner
         group = self.core.group
         # Groups of the same size: every rank sends its own heads to its counterpart
-        # (engine/tp_kv.py); rank 0's go with the header. Else all heads, gathered here.
+        # (parallel/kv.py); rank 0's go with the header. Else all heads, gathered here.
         sliced = group is not None and len(o.dest.rank_addresses) == group.size
         if sliced:
             if run and not runner.send_slices(run, o.dest.rank_addresses[1:], rid,

@@ -18,12 +18,12 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import BadMessage
-from triptych.engine import wire
-from triptych.engine.data_endpoint import data_endpoint
+from triptych.worker import wire
+from triptych.worker.data_endpoint import data_endpoint
 from triptych.engine.engine_core import EngineCore
-from triptych.engine.worker_loop import Handler, WorkerSpec, main
+from triptych.worker.loop import Handler, WorkerSpec, main
 from triptych.mmcache.consumer import WorkerPixels
-from triptych.prefill.inbox import EmbeddingInbox
+from triptych.worker.embedding_inbox import EmbeddingInbox
 from triptych.prefill.kv_sender import KVSender
 
 logger = logging.getLogger("triptych.prefill")
@@ -32,7 +32,7 @@ logger = logging.getLogger("triptych.prefill")
 class PrefillWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
-        from triptych.engine.data_endpoint import endpoint_kind, key_name
+        from triptych.worker.data_endpoint import endpoint_kind, key_name
         self.core = EngineCore(config, eos_token_id=spec.eos_token_id,
                                data_kind=endpoint_kind(config, spec), key_name=key_name(spec))
         self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)

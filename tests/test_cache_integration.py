@@ -142,7 +142,7 @@ def test_disagreement_is_recovered(tiny_qwen2_vl):
     P0 forgets the key and sends the pixels, and the request answers correctly."""
     import asyncio
 
-    from triptych.api.router import Router
+    from triptych.router.router import Router
     from triptych.config import EngineConfig
     from triptych.engine.sampling_params import SamplingParams as SP
 

@@ -78,7 +78,7 @@ def test_pack_linears_releases_dense_weights_and_keeps_outputs():
 
 
 def test_row_parallel_layer_keeps_its_bias_after_the_reduce():
-    from triptych.models.parallel import TPContext
+    from triptych.parallel.context import TPContext
     from triptych.models.parallel_layers import RowParallelLinear
 
     torch.manual_seed(1)

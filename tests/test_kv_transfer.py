@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import torch
 from triptych.decode.worker import DecodeWorker
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.worker_loop import WorkerSpec, _receive
+from triptych.worker.loop import WorkerSpec, _receive
 from triptych.prefill.worker import PrefillWorker
 
 BS = 4

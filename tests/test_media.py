@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, Thread
 import numpy as np
 import pytest
 from PIL import Image
-from triptych.api.media import (
+from triptych.api.media.decode import (
     MediaError,
     MediaLimits,
     afetch_bytes,
@@ -223,7 +223,7 @@ def test_fetch_status_and_async_variant(http_root):
 def test_symlink_swap_race_never_reads_outside_the_root(tmp_path):
     """A directory under the root flips to a link to outside/ and back while files are
     read through it: the walk with O_NOFOLLOW either reads the inside file or refuses."""
-    from triptych.api.media_sources import local_file
+    from triptych.api.media.sources import local_file
 
     root = tmp_path / "root"
     (root / "d").mkdir(parents=True)
@@ -257,7 +257,7 @@ def test_symlink_swap_race_never_reads_outside_the_root(tmp_path):
 
 
 def test_local_file_refusals(tmp_path):
-    from triptych.api.media_sources import local_file
+    from triptych.api.media.sources import local_file
 
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)
@@ -272,7 +272,7 @@ def test_local_file_refusals(tmp_path):
 
 
 def test_pixel_caps_per_video_and_per_request():
-    from triptych.api.media import PixelBudget
+    from triptych.api.media.decode import PixelBudget
 
     video = make_video(2.0, size=64)  # 4 frames kept at 2 fps
     with pytest.raises(MediaError, match="--max-video-pixels"):

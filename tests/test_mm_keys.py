@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from triptych.api.media import MediaLimits, read_media_bytes
+from triptych.api.media.decode import MediaLimits, read_media_bytes
 from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
 
 KW = {"patch": 14, "merge": 2, "size": {"shortest_edge": 3136, "longest_edge": 200704}}

@@ -476,7 +476,7 @@ def test_stats_convention_per_pool():
 
 
 def test_help_and_request_check_units():
-    from triptych.api.media import MediaLimits
+    from triptych.api.media.decode import MediaLimits
     from triptych.api.protocol import ChatCompletionRequest
     from triptych.api.request_checks import media_limits
     base = MediaLimits(max_video_frames=8, video_fps=2.0)

@@ -1,11 +1,11 @@
-"""The patch-balanced split of mm_encoder_tp_mode="data" (encode/patch_balance.py)."""
+"""The patch-balanced split of mm_encoder_tp_mode="data" (parallel/patch_balance.py)."""
 from __future__ import annotations
 
 import itertools
 import random
 
 import pytest
-from triptych.encode.patch_balance import balance_by_patches
+from triptych.parallel.patch_balance import balance_by_patches
 
 
 def best_max_load(patches: list[int], n: int) -> int:

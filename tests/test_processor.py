@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from triptych.api.media import MediaError, MediaLimits
+from triptych.api.media.decode import MediaError, MediaLimits
 from triptych.api.processor import InputProcessor, ProcessedPrompt
 from triptych.mmcache.hashing import hash_image, hash_video
 

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import triptych.api.processor as processor_mod
-from triptych.api.media import MediaLimits
+from triptych.api.media.decode import MediaLimits
 from triptych.api.processor import InputProcessor
 from triptych.mmcache import ProcessorCacheIndex
 

@@ -77,7 +77,7 @@ def test_a_worker_on_another_host_joins_and_serves(tiny_qwen2_vl, tmp_path):
         sock.setsockopt(zmq.IDENTITY, b"decode-0#1")
         secure_client(sock, load_keys(keys, "decode-h2"), load_keys(keys, "router").public)
         sock.connect(router)
-        from triptych.engine import wire
+        from triptych.worker import wire
         sock.send_multipart(wire.encode(wire.Hello("decode-0#1", "decode", 1, 512, 10)))
         sock.send_multipart([msgspec.msgpack.encode({"type": "stats", "values": {"x": 1}})])
         time.sleep(1.0)

@@ -1,8 +1,8 @@
 """The router's worker choice: least work once the request is added, prefix-aware."""
 from __future__ import annotations
 
-from triptych.api.layout import Layout
-from triptych.api.routing import PrefixIndex, pick
+from triptych.router.layout import Layout
+from triptych.router.routing import PrefixIndex, pick
 from triptych.config import EngineConfig
 
 

@@ -37,9 +37,9 @@ def test_worker_survives_wire_garbage(tiny_qwen2_vl):
     """What a worker does with each message (worker_loop._receive -> DecodeWorker.handle):
     garbage is dropped or refused per request, and the worker still serves afterwards."""
     from triptych.decode.worker import DecodeWorker
-    from triptych.engine import wire
+    from triptych.worker import wire
     from triptych.engine.sampling_params import SamplingParams
-    from triptych.engine.worker_loop import WorkerSpec, _receive
+    from triptych.worker.loop import WorkerSpec, _receive
 
     spec = WorkerSpec(worker_id="decode-0#0", pool="decode", router_address="ipc:///nowhere",
                       config={"model": tiny_qwen2_vl, "block_size": 4, "max_model_len": 256,
@@ -118,7 +118,7 @@ def test_a_failing_step_ends_only_the_request_that_causes_it(tiny_qwen2_vl, monk
 
 
 def test_stale_run_dirs_of_dead_servers_are_removed(tmp_path):
-    from triptych.api.supervisor import clean_stale
+    from triptych.router.supervisor import clean_stale
 
     dead = subprocess_pid_that_exited()
     (tmp_path / f"triptych-{dead}-abc").mkdir()

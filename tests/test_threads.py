@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from triptych.engine.threads import divide_cores, thread_env
+from triptych.worker.threads import divide_cores, thread_env
 
 
 def test_divide_cores():
@@ -36,7 +36,7 @@ def test_thread_env_sets_policy_and_user_settings_win():
 
 
 def test_policy_applied_before_torch_import_in_a_child():
-    code = ("import os, json; from triptych.engine.threads import apply_thread_policy;"
+    code = ("import os, json; from triptych.worker.threads import apply_thread_policy;"
             "n = apply_thread_policy(None); import torch;"
             "print(json.dumps([n, torch.get_num_threads(), torch.get_num_interop_threads(),"
             "os.environ.get('OMP_WAIT_POLICY')]))")
@@ -60,10 +60,10 @@ def test_cli_reads_cpu_threads_before_parsing():
 
 ALLOCATOR_CHILD = """
 import json, os
-from triptych.engine.threads import apply_thread_policy
+from triptych.worker.threads import apply_thread_policy
 apply_thread_policy(1)  # every torch process of ours comes through here
 import torch
-from triptych.engine import allocator
+from triptych.worker import allocator
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -4,7 +4,7 @@ first tell the other ranks what to compute, then compute their own part with the
     TPModelRunner.run_model   Forward(step arrays + vision rows) -> ranks; every rank runs
                               ModelRunner.run_model; logits slices gathered to rank 0
     TPEncoder.__call__        Encode(pixels or shares) -> ranks; the tower sharded by
-                              weights, or split by patches (encode/data_parallel.py)
+                              weights, or split by patches (parallel/encoder_data.py)
     read_blocks / write_blocks  KV by block id as all heads (prefill export, decode import)
 
 Everything between sending a command and its last collective is a ``collective`` section:
@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from triptych.encode.data_parallel import encode_data_parallel, rank_pixels
-from triptych.encode.patch_balance import balance_by_patches
-from triptych.engine import tp_wire
+from triptych.parallel.encoder_data import encode_data_parallel, rank_pixels
+from triptych.parallel.patch_balance import balance_by_patches
+from triptych.parallel import wire as tp_wire
 from triptych.engine.input_batch import StepInputs
 from triptych.engine.model_runner import ModelRunner
-from triptych.engine.tp_group import TPGroup
-from triptych.models.parallel import TPGroupError
+from triptych.parallel.group import TPGroup
+from triptych.parallel.context import TPGroupError
 
 
 @contextmanager
@@ -88,7 +88,7 @@ class TPModelRunner(ModelRunner):
             assert parts is not None
             return torch.cat([parts[r] for r in self._owners()], dim=4).cpu()
 
-    # -- rank to rank (engine/tp_kv.py): groups of the same size ---------------------------
+    # -- rank to rank (parallel/kv.py): groups of the same size ---------------------------
     def local_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[L, 2, n, block_size, rank 0's KV heads, D] host copy (its part of a transfer)."""
         return local_blocks(self.kv_caches, block_ids).cpu()

@@ -99,7 +99,7 @@ def warmup(args: argparse.Namespace, base: str) -> None:
     """A few requests first, not recorded: the first steps of a fresh server allocate."""
     import copy
 
-    from triptych.bench_serve import sweep
+    from triptych.bench.serve import sweep
     w = copy.copy(args)
     w.num_requests, w.request_rate, w.seed = 4, "inf", args.seed + 99_999
     import contextlib
@@ -121,7 +121,7 @@ def _transfer(before: dict[str, float], after: dict[str, float], requests: int) 
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from triptych.bench_serve import sweep
+    from triptych.bench.serve import sweep
     from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
 
     model = args.serve_model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)

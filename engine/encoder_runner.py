@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from triptych.encode.encoder_cache import EncoderCache
+from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.request import MMItem
 
 # (pixel_values [P, patch_dim], grid_thw [N, 3]) -> one [rows_i, hidden] tensor per item

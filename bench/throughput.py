@@ -61,17 +61,17 @@ def add_parser(subparsers: Any) -> None:
                    help="run a CPU-spinning process during the rounds (a noisy neighbour)")
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
-    from triptych import bench_multiturn, bench_serve
+    from triptych.bench import multiturn as bench_multiturn, serve as bench_serve
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
-        from triptych import bench_serve
+        from triptych.bench import serve as bench_serve
         return bench_serve.run(args)
     if args.bench_command == "multiturn":
-        from triptych import bench_multiturn
+        from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)
     return run_throughput(args)
 
@@ -101,7 +101,7 @@ def _spinner() -> subprocess.Popen:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from triptych.engine.sampling_params import SamplingParams
-    from triptych.engine.threads import apply_thread_policy
+    from triptych.worker.threads import apply_thread_policy
     from triptych.llm import LLM
 
     threads = apply_thread_policy(args.cpu_threads)
@@ -132,7 +132,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             if hf is not None:
                 row["hf_tok_s"] = hf.run(processed)
             if args.profile and r == args.rounds - 1:
-                from triptych.bench_profile import StepProfiler
+                from triptych.bench.profile import StepProfiler
                 prof = StepProfiler(llm.engine)
             t0 = time.perf_counter()
             outs = llm.generate(processed, sp, use_tqdm=False)
@@ -173,7 +173,7 @@ def _report(res: dict[str, Any]) -> None:
 
 def _profile(llm: Any, prof: Any, processed: list[Any], sp: Any) -> dict[str, Any]:
     """Print the last round's step breakdown, then split the forward with hooks (one pass)."""
-    from triptych.bench_profile import PartTimer, format_summary
+    from triptych.bench.profile import PartTimer, format_summary
 
     out: dict[str, Any] = {}
     batch = max((b for k, b, _ in prof.steps if k == "decode"), default=None)

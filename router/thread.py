@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from triptych.api.processor import ProcessedPrompt
-from triptych.api.router import Router
+from triptych.router.router import Router
 from triptych.config import EngineConfig
 from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams

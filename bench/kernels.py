@@ -1,7 +1,7 @@
 """Time each Triton kernel against its torch reference and the memory-bandwidth floor.
 
-    python benchmarks/kernels.py            # on a CUDA GPU (7B-like decode shapes)
-    python benchmarks/kernels.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
+    python bench/kernels.py            # on a CUDA GPU (7B-like decode shapes)
+    python bench/kernels.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
 
 The floor of a memory-bound kernel is (bytes it must move) / (measured device copy
 bandwidth, counting bytes read + written by a large `copy_`). Paged decode must read every
@@ -27,7 +27,7 @@ def main() -> int:
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (use --smoke for a CPU interpreter run)")
+        print("bench/kernels.py needs a CUDA GPU (use --smoke for a CPU interpreter run)")
         return 0
     from triptych.kernels import torch_ref, triton_ops
     from triptych.kernels.triton_common import num_sms, pad_dim

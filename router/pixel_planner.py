@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 import torch
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.request import MMItem
 from triptych.mmcache.lru import DATA, DATA_UNCACHED, ProcessorCacheMirror
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from triptych.engine import wire
+from triptych.worker import wire
 
 logger = logging.getLogger("triptych.worker")
 STATS_INTERVAL_S = 0.25
@@ -152,7 +152,7 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         signal.signal(signal.SIGUSR1, _on_parent_death)
         _die_with_parent()
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from triptych.engine.threads import apply_thread_policy
+    from triptych.worker.threads import apply_thread_policy
 
     apply_thread_policy(max(1, spec.num_threads))
     ctx = zmq.Context()

@@ -7,7 +7,7 @@ ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)); goodput co
 requests per second that meet both SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms,
 DistServe's measure). A sweep over rates writes a JSON file and a PNG.
 
-With --layouts the command starts `triptych serve` itself once per layout (bench_layouts.py)
+With --layouts the command starts `triptych serve` itself once per layout (bench/layouts.py)
 and compares them on the same load.
 """
 from __future__ import annotations
@@ -210,7 +210,7 @@ def sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     if args.layouts:
-        from triptych.bench_layouts import run_layouts
+        from triptych.bench.layouts import run_layouts
         return run_layouts(args)
     results = sweep(args, args.base_url)
     rates = [r["request_rate"] for r in results]

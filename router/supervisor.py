@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 from triptych.connector.segments import pid_alive
-from triptych.engine.threads import thread_env
-from triptych.engine.worker_loop import WorkerSpec
+from triptych.worker.threads import thread_env
+from triptych.worker.loop import WorkerSpec
 
 logger = logging.getLogger("triptych.supervisor")
 WATCH_INTERVAL_S = 0.2

@@ -1,6 +1,6 @@
-"""A tensor-parallel rank r > 0: ``python -m triptych.engine.tp_rank``, RankSpec as JSON on stdin.
+"""A tensor-parallel rank r > 0: ``python -m triptych.parallel.rank``, RankSpec as JSON on stdin.
 
-Started by its group's rank 0 (engine/tp_group.py). It loads its shard of the model (and,
+Started by its group's rank 0 (parallel/group.py). It loads its shard of the model (and,
 for an engine group, its heads' slice of the KV cache), then runs the commands rank 0
 sends, joining the same collectives in the same order:
 
@@ -48,14 +48,14 @@ def run_rank(spec: Any) -> None:
     import zmq
     from transformers import AutoConfig
     from triptych.config import EngineConfig
-    from triptych.engine import tp_wire
+    from triptych.parallel import wire as tp_wire
     from triptych.engine.engine_core import ModelShape, num_kv_blocks, resolve_device, resolve_dtype
     from triptych.engine.model_runner import ModelRunner
-    from triptych.engine.threads import apply_thread_policy
-    from triptych.engine.tp_group import command_address, rank_device, store_path
+    from triptych.worker.threads import apply_thread_policy
+    from triptych.parallel.group import command_address, rank_device, store_path
     from triptych.kernels import get_ops, resolve_backend
     from triptych.models import load_model
-    from triptych.models.parallel import TPContext
+    from triptych.parallel.context import TPContext
     from triptych.models.tp_plan import local_kv_heads
 
     apply_thread_policy(max(1, spec.num_threads))
@@ -112,7 +112,7 @@ def _rank_kv(spec: Any, config: Any) -> Any:
     """This rank's KV endpoint (pool workers' groups), or None."""
     if not spec.data_kind or spec.role != "engine":
         return None
-    from triptych.engine.tp_kv import RankKV
+    from triptych.parallel.kv import RankKV
 
     keys = None
     if spec.data_kind == "tcp" and config.worker_keys and spec.key_name:
@@ -126,11 +126,11 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
             dtype: Any, device: Any, kv_io: Any = None) -> None:
     """One command, with the same collectives rank 0 runs for it."""
     import torch
-    from triptych.encode.data_parallel import encode_data_parallel
-    from triptych.encode.patch_balance import PatchAssignment
-    from triptych.engine import tp_wire
+    from triptych.parallel.encoder_data import encode_data_parallel
+    from triptych.parallel.patch_balance import PatchAssignment
+    from triptych.parallel import wire as tp_wire
     from triptych.engine.input_batch import StepInputs
-    from triptych.engine.tp_runner import local_blocks
+    from triptych.parallel.runner import local_blocks
 
     if isinstance(cmd, tp_wire.Forward):
         arrays = dict(zip(tp_wire.STEP_ARRAYS, (t.numpy() for t in tensors)))
@@ -170,7 +170,7 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
 
 
 def main() -> None:
-    from triptych.engine.tp_group import RankSpec
+    from triptych.parallel.group import RankSpec
 
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=RankSpec)
     logging.basicConfig(level=logging.INFO,

@@ -1,5 +1,5 @@
-"""Decoding images and videos under operator-set caps (api/media_limits.py); where the bytes
-come from, and the SSRF and path guards, are in api/media_sources.py.
+"""Decoding images and videos under operator-set caps (api/media/limits.py); where the bytes
+come from, and the SSRF and path guards, are in api/media/sources.py.
 
 Decoder DoS is designed against (../shared/THREATS.md): byte, pixel, frame, duration caps,
 pixels per video and per request, all checked from headers before pixels are decoded, and
@@ -17,8 +17,8 @@ import warnings
 
 import numpy as np
 from PIL import Image
-from triptych.api.media_limits import MediaError, MediaLimits, PixelBudget
-from triptych.api.media_sources import afetch_bytes, fetch_bytes, is_remote, read_media_bytes
+from triptych.api.media.limits import MediaError, MediaLimits, PixelBudget
+from triptych.api.media.sources import afetch_bytes, fetch_bytes, is_remote, read_media_bytes
 
 # Only formats with well-trodden decoders; Image.open would otherwise try every plugin
 # (EPS even shells out to Ghostscript).

@@ -1,7 +1,7 @@
 """Connector speed between two processes on this box: latency and bytes/s per transport.
 
-    PYTHONPATH=... python benchmarks/connector.py                 # shm, tcp, tcp+curve
-    python benchmarks/connector.py --kinds shm --blocks 1,8 --reps 5
+    PYTHONPATH=... python bench/connector.py                 # shm, tcp, tcp+curve
+    python bench/connector.py --kinds shm --blocks 1,8 --reps 5
 
 A message is a KV transfer shaped like a 7B model's (28 layers, 8 KV heads, head_dim 128,
 bf16, block_size 16): K and V per layer, ``[num_blocks, 16, 8, 128]`` each, i.e.

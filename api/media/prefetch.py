@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from triptych.api.media import MediaError, MediaLimits, afetch_bytes, is_remote
+from triptych.api.media.decode import MediaError, MediaLimits, afetch_bytes, is_remote
 
 _KINDS = {"image_url": "image", "video_url": "video"}
 

@@ -4,7 +4,7 @@
     abort([ids]) · alive() · health() · stats() · new_request_id(prefix) · shutdown()
 
 A client request fans out into n children; each child runs through the pools of the layout
-(``api/layout.py``) and its token ids come back as StepOutputs, which the OutputProcessor
+(``router/layout.py``) and its token ids come back as StepOutputs, which the OutputProcessor
 turns into text. Per layout a child's path is:
 
     colocated / PD       AddRequest(pixels) -> one worker prefills, encodes and decodes
@@ -43,17 +43,17 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-from triptych.api.layout import Layout
+from triptych.router.layout import Layout
 from triptych.api.processor import ProcessedPrompt
-from triptych.api.routing import PrefixIndex, pick
-from triptych.api.supervisor import Supervisor, Worker, make_run_dir
+from triptych.router.routing import PrefixIndex, pick
+from triptych.router.supervisor import Supervisor, Worker, make_run_dir
 from triptych.config import EngineConfig
-from triptych.engine import wire
+from triptych.worker import wire
 from triptych.engine.block_hash import chain_hashes
 from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput, RequestOutput
 from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.threads import divide_cores
+from triptych.worker.threads import divide_cores
 
 logger = logging.getLogger("triptych.router")
 MAX_MIGRATIONS = 2
@@ -111,7 +111,7 @@ class Router:
                  start_timeout_s: float = 600.0, threads_per_worker: int | None = None) -> None:
         """``processor``: the InputProcessor whose cache index skipped pixels (needed to
         produce them again for a worker that lacks them; None: no processor cache)."""
-        from triptych.api.pixel_planner import PixelPlanner
+        from triptych.router.pixel_planner import PixelPlanner
         from triptych.mmcache import processor_cache_bytes
 
         self.config = config

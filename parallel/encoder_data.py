@@ -1,5 +1,5 @@
 """mm_encoder_tp_mode="data": every rank holds the whole vision tower and encodes its share of
-the batch's items (patch-balanced, encode/patch_balance.py); rank 0 gathers the outputs and
+the batch's items (patch-balanced, parallel/patch_balance.py); rank 0 gathers the outputs and
 puts them back in batch order.
 
     items        0 (900 patches)   1..5 (64 each)            2 ranks
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from triptych.encode.patch_balance import PatchAssignment
-from triptych.models.parallel import TPContext
+from triptych.parallel.patch_balance import PatchAssignment
+from triptych.parallel.context import TPContext
 
 # (pixel_values [P, patch_dim], grid_thw [N, 3]) -> one [rows_i, out_dim] tensor per item
 EncodeFn = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
     from triptych.cli import engine_config_from_args
-    from triptych.engine.worker_loop import WorkerSpec, run_worker
+    from triptych.worker.loop import WorkerSpec, run_worker
 
     config = engine_config_from_args(args)
     if not config.worker_keys:

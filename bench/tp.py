@@ -1,11 +1,11 @@
 """Tensor parallelism on this machine: vision-tower throughput (TP=1, TP=2 "weights", TP=2
 "data") and LM decode step time (TP=1 vs TP=2), in one run, fixed seed.
 
-    python benchmarks/tp.py                  # the bench checkpoint (~100M, Qwen2-VL layout)
-    python benchmarks/tp.py --tp 4 --reps 5
+    python bench/tp.py                  # the bench checkpoint (~100M, Qwen2-VL layout)
+    python bench/tp.py --tp 4 --reps 5
 
 Rank 0 runs in this process and starts the other ranks, as a worker does; the host's cores
-are split between the ranks (engine/threads.py), so TP=N compares N ranks on the cores one
+are split between the ranks (worker/threads.py), so TP=N compares N ranks on the cores one
 process had. ``tp1_one_rank_share`` is one process on one rank's share of the cores: the
 work each rank would do alone if sharding were free. On a 2-core CPU box that is not where TP wins: it halves each rank's threads
 and adds a gloo all-reduce per layer. It pays where each rank has its own device.
@@ -45,8 +45,8 @@ def time_encoder(fn: Any, pixels: torch.Tensor, grid: torch.Tensor, reps: int) -
 def encoder_figures(model_dir: str, tp: int, reps: int) -> dict[str, float]:
     from triptych.config import EngineConfig
     from triptych.engine.engine_core import ModelShape
-    from triptych.engine.tp_group import start_group
-    from triptych.engine.tp_runner import TPEncoder
+    from triptych.parallel.group import start_group
+    from triptych.parallel.runner import TPEncoder
     from triptych.models import load_model
 
     pixels, grid = mixed_batch(0)
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of every setting, alternating (medians reported)")
     args = ap.parse_args()
-    from triptych.engine.threads import apply_thread_policy
+    from triptych.worker.threads import apply_thread_policy
     from triptych.models.demo import BENCH_FLAGS, tiny_checkpoint
 
     apply_thread_policy(None)

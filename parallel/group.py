@@ -1,12 +1,12 @@
 """TPGroup: rank 0 of a tensor-parallel worker group starts, drives and watches ranks 1..N-1.
 
     supervisor --spawns--> worker process = rank 0 (scheduler, worker loop, sampling)
-                              |-- spawns --> python -m triptych.engine.tp_rank  (rank r,
+                              |-- spawns --> python -m triptych.parallel.rank  (rank r,
                               |              RankSpec as JSON on stdin, nothing pickled)
-                              |-- each step: a command (engine/tp_wire.py) over a ZMQ PUSH
+                              |-- each step: a command (parallel/wire.py) over a ZMQ PUSH
                               |              socket per rank, ipc in a private 0700 dir
                               '-- all ranks: the same collectives (gloo / NCCL), each with
-                                             a timeout (models/parallel.py)
+                                             a timeout (parallel/context.py)
 
 Failure, both ways, so the supervisor restarts the whole group and the router moves or
 fails its requests:
@@ -36,9 +36,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 import zmq
-from triptych.engine import tp_wire
-from triptych.engine.threads import apply_thread_policy, divide_cores, thread_env
-from triptych.models.parallel import TPContext, TPGroupError
+from triptych.parallel import wire as tp_wire
+from triptych.worker.threads import apply_thread_policy, divide_cores, thread_env
+from triptych.parallel.context import TPContext, TPGroupError
 
 logger = logging.getLogger("triptych.tp")
 JOIN_TIMEOUT_S = 120.0  # ranks import torch and join the rendezvous within this
@@ -58,7 +58,7 @@ class RankSpec(msgspec.Struct, kw_only=True):
     parent_pid: int  # rank 0: exit when it is gone
     num_threads: int = 1  # torch intra-op threads of this rank
     data_kind: str = ""  # a pool worker's group: each rank's KV endpoint (shm | tcp), rank
-    # to rank with a group of the same size (engine/tp_kv.py); "": none
+    # to rank with a group of the same size (parallel/kv.py); "": none
     key_name: str | None = None  # CURVE key of the worker (tcp across hosts)
 
 
@@ -121,7 +121,7 @@ class TPGroup:
     def _spawn(self, spec: RankSpec) -> None:
         env = thread_env(spec.num_threads, os.environ)
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec.num_threads)
-        p = subprocess.Popen([sys.executable, "-m", "triptych.engine.tp_rank"],
+        p = subprocess.Popen([sys.executable, "-m", "triptych.parallel.rank"],
                              stdin=subprocess.PIPE, env=env)
         self.procs.append(p)
         assert p.stdin is not None

@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _images(rng: np.random.Generator, size: int) -> list[str]:
-    from triptych.bench_serve import _image_url
+    from triptych.bench.serve import _image_url
     return [_image_url(rng, size) for _ in range(2)]
 
 
@@ -138,7 +138,7 @@ def _processor_cost(model: str, size: int, rounds: int = 5) -> dict:
 def run(args: argparse.Namespace) -> int:
     import shlex
 
-    from triptych.bench_layouts import serving
+    from triptych.bench.layouts import serving
     from triptych.models.demo import BENCH_FLAGS, DEMO_FLAGS, tiny_checkpoint
 
     model = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)

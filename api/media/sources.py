@@ -25,7 +25,7 @@ import time
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
-from triptych.api.media_limits import MediaError, MediaLimits
+from triptych.api.media.limits import MediaError, MediaLimits
 
 _OUTSIDE = ("media path is outside the allowed local media directory (paths are taken as "
             "written; symbolic links are not followed)")

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from triptych.engine import wire
+from triptych.worker import wire
 
 logger = logging.getLogger("triptych.tp")
 MAX_WAITING = 256  # slices held for transfers rank 0 has not asked about yet

@@ -34,7 +34,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from triptych.engine.allocator import apply_allocator_policy
+from triptych.worker.allocator import apply_allocator_policy
 
 logger = logging.getLogger("triptych.threads")
 
@@ -116,12 +116,12 @@ def apply_thread_policy(num_threads: int | None) -> int:
     ``num_threads`` None means OMP_NUM_THREADS if the user set it, else every core this
     process may use (one engine per host). Inter-op threads are set to 1: the engine
     issues one op at a time and never forks torch work, so a second pool only idles.
-    Also applies the allocator policy (``engine/allocator.py``): every torch process
+    Also applies the allocator policy (``worker/allocator.py``): every torch process
     comes through here.
     """
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {num_threads}")
-    apply_allocator_policy()  # keep freed pages mapped (engine/allocator.py)
+    apply_allocator_policy()  # keep freed pages mapped (worker/allocator.py)
     n = num_threads or _env_threads() or host_cores()
     if "torch" not in sys.modules:
         early_env(n)  # still in time for the OpenMP runtime

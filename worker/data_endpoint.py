@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from triptych.config import EngineConfig
-from triptych.engine import wire
+from triptych.worker import wire
 
 if TYPE_CHECKING:
     from triptych.connector import Connector
-    from triptych.engine.worker_loop import WorkerSpec
+    from triptych.worker.loop import WorkerSpec
 
 
 def endpoint_kind(config: EngineConfig, spec: WorkerSpec) -> str:

@@ -1,0 +1,2 @@
+"""Tensor parallelism: worker groups, ranks, collectives, KV slicing and the encoder's
+data mode (patch-balanced split)."""

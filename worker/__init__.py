@@ -1,0 +1,2 @@
+"""What every pool worker process runs: the loop, its wire contract, the data endpoint,
+thread and allocator policy, the remote `triptych worker` command."""
