@@ -102,7 +102,8 @@ class Formatter:
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(ids, lps)],
-                "top_logprobs": [self._top(d, k) for d in lps], "text_offset": offsets}
+                "top_logprobs": [self._top(d, k, t) for t, d in zip(ids, lps)],
+                "text_offset": offsets}
 
     def prompt_logprobs(self, lps: list[dict[int, float] | None] | None) -> list | None:
         """vLLM's prompt_logprobs: per prompt position None (the first) or {token id:
@@ -124,12 +125,16 @@ class Formatter:
             off += len(tok)
         return {"tokens": tokens,
                 "token_logprobs": [None] + [d[t] if d else None for t, d in zip(ids[1:], lps[1:])],
-                "top_logprobs": [None] + [self._top(d, k) if d else None for d in lps[1:]],
+                "top_logprobs": [None] + [self._top(d, k, t) if d else None
+                                          for t, d in zip(ids[1:], lps[1:])],
                 "text_offset": offsets}
 
-    def _top(self, d: dict[int, float], k: int) -> dict[str, float]:
-        # Two ids can decode to the same text (partial UTF-8 -> U+FFFD): keep the likelier.
-        out: dict[str, float] = {}
+    def _top(self, d: dict[int, float], k: int, chosen: int) -> dict[str, float]:
+        """The completions format's top_logprobs of one position: the chosen token first,
+        then the k likeliest (vLLM's and OpenAI's k + 1 entries at most; logprobs=0 gives
+        the chosen token alone)."""
+        # Two ids can decode to the same text (partial UTF-8 -> U+FFFD): keep the first.
+        out: dict[str, float] = {self._token(chosen): d[chosen]}
         for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:k]:
             out.setdefault(self._token(t), v)
         return out
@@ -147,8 +152,11 @@ class Formatter:
             for kind, count in p.mm_tokens.items():
                 mm[kind] = mm.get(kind, 0) + count
         details["multimodal_tokens"] = mm or None
+        # cache_read_input_tokens: the prefix-cache hits again, under the name vLLM's
+        # Anthropic-style usage gives them (clients that bill cache reads look for it).
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens, "prompt_tokens_details": details}
+                "total_tokens": prompt + completion_tokens, "prompt_tokens_details": details,
+                "cache_read_input_tokens": cached}
 
     # -- whole responses ------------------------------------------------------------------
     def whole(self, prompts: list[PromptInfo], choices: list[Choice]) -> dict:

@@ -24,6 +24,7 @@ from triptych.api.request_checks import (
     sampling_params,
     template_kwargs,
 )
+from triptych.api.sampling_checks import context_error
 from triptych.api.serving import Admission, Job, Slots
 from triptych.api.truncation import keep_count, truncate
 
@@ -73,8 +74,8 @@ class InputStage:
             prompt = truncate(prompt, keep, body.truncation_side or "left")
         n = len(prompt.prompt_token_ids)
         if n >= self.limits.max_model_len:  # (the processor checks it when not truncating)
-            raise APIError(400, f"the prompt has {n} tokens but max_model_len is "
-                                f"{self.limits.max_model_len}", param=param)
+            raise context_error(self.limits.max_model_len, n, None,
+                                isinstance(body, ChatCompletionRequest), param)
         self.num_mm_items += len(prompt.mm_items)
         return prompt, sampling_params(body, n, self.limits, logprobs)
 

@@ -31,6 +31,7 @@ from triptych.api.media.decode import (
     read_media_bytes,
 )
 from triptych.api.media.video import preprocess_video
+from triptych.api.sampling_checks import context_message
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
 from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex
@@ -423,8 +424,7 @@ class InputProcessor:
     def _check_len(self, n: int) -> None:
         # NOTE: `>=`: prompt + at least one output token must fit (engine/validate.py agrees).
         if self.max_model_len is not None and n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens (images/videos expanded) but "
-                             f"max_model_len is {self.max_model_len}")
+            raise ValueError(context_message(self.max_model_len, n, None, "prompt"))
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         if not p.prompt_token_ids:

@@ -85,7 +85,9 @@ class VideoPart(_Model):
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+# OpenAI's five roles, and any other (vLLM passes custom roles to the chat template as they
+# came: the template decides what a role means, or raises).
+Role = Annotated[Text, Field(min_length=1, max_length=64)]
 
 
 class Message(BaseModel):
@@ -133,6 +135,9 @@ class _Common(_Model):
     priority: int = Field(0, ge=-INT64 - 1, le=INT64)
     user: str | None = None
     request_id: str | None = None  # a label only: responses carry ids the server makes
+    # vLLM's extension dict (SamplingParams.extra_args): here the no-repeat n-gram guard's
+    # knobs, ngram_size / window_size / whitelist_token_ids (api/request_checks.py)
+    vllm_xargs: dict[str, int | float | str | list[int | float | str]] | None = None
     # Accepted so that they can be refused by name (api/request_checks.py) rather than
     # silently ignored: each changes what the model would produce.
     response_format: dict[str, Any] | None = None

@@ -4,7 +4,7 @@ request body to the engine's SamplingParams.
 
 Each refusal is a 400 naming the field (``param``) and the problem. Features the engine does
 not have are refused by name rather than silently ignored: a vLLM client that sends
-``presence_penalty`` or ``use_beam_search`` learns that it did not get them.
+``use_beam_search`` or ``response_format`` learns that it did not get them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 from triptych.api.errors import APIError, bad_request
 from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
+from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
 from triptych.engine.sampling_params import SamplingParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
@@ -54,11 +55,6 @@ def _is_set(v: Any) -> bool:
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (bool, ("beam search is not supported (n > 1 returns independent "
                               "samples, not beams)")),
-    "min_p": (lambda v: bool(v), "min_p sampling is not supported yet"),
-    "presence_penalty": (lambda v: bool(v), "presence_penalty is not supported yet"),
-    "frequency_penalty": (lambda v: bool(v), "frequency_penalty is not supported yet"),
-    "repetition_penalty": (lambda v: v is not None and v != 1.0,
-                           "repetition_penalty is not supported yet"),
     "response_format": (lambda v: _is_set(v) and v.get("type") != "text",
                         "response_format other than text (structured output) is not supported"),
     "structured_outputs": (_is_set, "structured outputs are not supported"),
@@ -113,25 +109,8 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
         if tid >= limits.vocab_size:
             raise bad_request("stop_token_ids", f"stop token id {tid} is outside the "
                                                 f"vocabulary [0, {limits.vocab_size})")
-    logit_bias(body, limits)
-
-
-def logit_bias(body: ChatCompletionRequest | CompletionRequest, limits: ServerLimits
-               ) -> dict[int, float] | None:
-    """``logit_bias`` with its keys as token ids, each inside the vocabulary."""
-    if not body.logit_bias:
-        return None
-    out: dict[int, float] = {}
-    for key, value in body.logit_bias.items():
-        k = key.strip()
-        if not k.isdecimal() or not k.isascii():
-            raise bad_request("logit_bias", f"logit_bias key {key[:20]!r} is not a token id")
-        tid = int(k)
-        if tid >= limits.vocab_size:
-            raise bad_request("logit_bias", f"logit_bias key {tid} is outside the vocabulary "
-                                            f"[0, {limits.vocab_size})")
-        out[tid] = float(value)
-    return out
+    logit_bias(body, limits.vocab_size)
+    ngram_guard(body)
 
 
 def _text_chars(content: Any) -> int:
@@ -191,6 +170,11 @@ def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
         raise bad_request("prompt", f"{len(prompts)} prompts in one request; this server takes "
                                     f"at most {limits.max_prompts} (--max-pending-requests)")
     _check_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits)
+    bad = sorted({t for p in prompts if not isinstance(p, str) for t in p
+                  if t >= limits.vocab_size})
+    if bad:
+        raise bad_request("prompt", f"token id(s) {some([str(t) for t in bad])} are out of "
+                                    f"vocabulary (the vocabulary is [0, {limits.vocab_size}))")
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -264,9 +248,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
     name, requested = body.requested_max_tokens
     room = limits.max_model_len - prompt_len
     if requested is not None and requested > room:
-        raise bad_request(name, f"{name} is {requested}, but the prompt has {prompt_len} "
-                                f"tokens and max_model_len is {limits.max_model_len}: at most "
-                                f"{room} output tokens fit")
+        raise context_error(limits.max_model_len, prompt_len, requested,
+                            isinstance(body, ChatCompletionRequest), name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     try:
         return SamplingParams(
@@ -277,11 +260,16 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
             ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=logit_bias(body, limits),
-            prompt_logprobs=prompt_logprobs(body, logprobs))
+            logit_bias=logit_bias(body, limits.vocab_size),
+            prompt_logprobs=prompt_logprobs(body, logprobs),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None
+            else body.repetition_penalty,
+            min_p=body.min_p or 0.0, **ngram_guard(body))
     except ValueError as e:  # SamplingParams.verify: the same ranges, checked again
         raise APIError(400, str(e)) from None
 
 
-__all__ = ["ServerLimits", "check_chat", "check_completion", "media_limits",
+__all__ = ["ServerLimits", "check_chat", "check_completion", "context_error", "media_limits",
            "sampling_params", "template_kwargs"]

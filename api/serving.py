@@ -201,8 +201,16 @@ class Responder:
         fmt, offsets = self.fmt, [len(p.echo) for p in self.infos for _ in range(self.n)]
         extra = {"prompt_token_ids": self.infos[0].token_ids} \
             if fmt.s.chat and fmt.s.token_ids else {}
+        # vLLM: usage in every chunk that carries a choice only when include_usage is set
+        # too; each says its own prompt and the tokens of its choice so far.
+        continuous = continuous and include_usage
+        sent = [0] * len(offsets)  # tokens streamed per choice
+
+        def usage(idx: int) -> dict | None:
+            return fmt.usage([self.infos[idx // self.n]], sent[idx]) if continuous else None
+
         for k, ch in enumerate(fmt.opening(self.infos)):
-            yield fmt.sse([ch], **(extra if k == 0 else {}))
+            yield fmt.sse([ch], usage(ch["index"]), **(extra if k == 0 else {}))
 
         def chunks(i: int, d: wire.RequestDelta) -> list[str]:
             out = []
@@ -211,8 +219,8 @@ class Responder:
                                    prompt_index=i))
             for c in d.completions:
                 idx = i * self.n + c.index
-                usage = fmt.usage(self.infos, self.num_tokens) if continuous else None
-                out.append(fmt.sse([fmt.chunk_choice(idx, c, offsets[idx])], usage))
+                sent[idx] += len(c.token_ids)
+                out.append(fmt.sse([fmt.chunk_choice(idx, c, offsets[idx])], usage(idx)))
                 offsets[idx] += len(c.text)
             return out
 

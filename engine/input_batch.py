@@ -16,13 +16,16 @@ over these arrays, not per-request tensors:
 
     block_table[row, pos // block_size] * block_size + pos % block_size = slot of a token
 
-Bookkeeping only: nothing here touches torch tensors of the model or the KV cache.
+Bookkeeping only: nothing here touches torch tensors of the model or the KV cache. The
+token history of penalised requests (engine/penalties.py) follows the same join / leave /
+append events, keyed by request id so that row moves leave it alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+from triptych.engine.penalties import PenaltyState
 from triptych.engine.request import Request
 
 
@@ -74,6 +77,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
         self.num_reqs = 0  # rows in use, holes included, until condense()
         self._holes: list[int] = []
+        self.penalties = PenaltyState()  # token counts of requests with penalties
 
     def __len__(self) -> int:
         return len(self.index)
@@ -104,6 +108,10 @@ class InputBatch:
         self.reqs[row] = req
         self.index[req.request_id] = row
         self.set_blocks(row, block_ids)
+        # (Re)joining rebuilds the penalty state from the request's own tokens: preemption,
+        # KV import and migration all come through here.
+        self.penalties.add(req.request_id, req.sampling_params, req.prompt_token_ids,
+                           req.output_token_ids)
         return row
 
     def remove(self, request_id: str) -> int | None:
@@ -111,6 +119,7 @@ class InputBatch:
         row = self.index.pop(request_id, None)
         if row is None:
             return None
+        self.penalties.remove(request_id)
         self.reqs[row] = None
         self._holes.append(row)
         return row
@@ -164,6 +173,8 @@ class InputBatch:
         self._ensure_tokens(n + 2)
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+        if self.penalties:
+            self.penalties.append(self.reqs[row].request_id, token_id)
 
     def _ensure_rows(self, rows: int) -> None:
         if rows <= len(self.reqs):

@@ -172,7 +172,8 @@ class ModelRunner:
             reqs = [self.batch.reqs[r] for r in rows]
             rids = [r.request_id for r in reqs]
             res: SamplerOutput = self.sampler(logits.cpu(), rids,
-                                              [r.sampling_params for r in reqs])
+                                              [r.sampling_params for r in reqs],
+                                              self.batch.penalties)
             for row, tok in zip(rows, res.token_ids):
                 self.batch.append_token(row, tok)
             result = dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))

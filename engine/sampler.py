@@ -1,15 +1,18 @@
 """Sampler: logits of the last token of each finished chunk -> next token ids.
 
-Greedy rows take argmax; random rows apply temperature, top-k, top-p and draw with the
-request's own generator (seeded requests are reproducible whatever else is batched).
-A request's ``logit_bias`` is added to its logits before either; logprobs are those of the
-model's raw logits (vLLM's default), so a biased pick need not be the top-1 there.
+Greedy rows take argmax; random rows apply temperature, min-p, top-k, top-p and draw with
+the request's own generator (seeded requests are reproducible whatever else is batched).
+Before either, a request's ``logit_bias`` is added and its penalties (presence, frequency,
+repetition, no-repeat n-gram: engine/penalties.py) applied, in vLLM's order. Logprobs are
+those of the model's raw logits (vLLM's default), so a biased or penalised pick need not be
+the top-1 there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from triptych.engine.penalties import PenaltyState
 from triptych.engine.sampling_params import SamplingParams
 
 
@@ -36,15 +39,21 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> SamplerOutput:
+                 params: list[SamplingParams], penalties: PenaltyState | None = None
+                 ) -> SamplerOutput:
         # logits: [N, vocab] float32
         logits = logits.float()
         n = logits.shape[0]
         biased = self._apply_bias(logits, params)
+        if penalties:  # (empty: no penalised request in the batch, nothing to do)
+            biased = penalties.apply(biased, request_ids)
         out = biased.argmax(dim=-1)
-        for i, sp in enumerate(params):
-            if not sp.greedy:
-                out[i] = self._sample_row(biased[i], sp, self._generator(request_ids[i], sp))
+        rand = [i for i, sp in enumerate(params) if not sp.greedy]
+        if rand:
+            scaled = self._temperature_min_p(biased[rand], [params[i] for i in rand])
+            for row, i in enumerate(rand):
+                sp = params[i]
+                out[i] = self._sample_row(scaled[row], sp, self._generator(request_ids[i], sp))
         token_ids = out.tolist()
         logprobs: list[dict[int, float] | None] = [None] * n
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
@@ -74,8 +83,22 @@ class Sampler:
         return out
 
     @staticmethod
+    def _temperature_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """[R, vocab] logits of the random rows over their temperatures, tokens below each
+        row's min_p threshold (min_p x the top token's probability) set to -inf: one op
+        for all rows (min_p = 0 rows keep everything)."""
+        temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype)
+        scaled = logits / temps[:, None]
+        min_p = torch.tensor([sp.min_p for sp in params], dtype=logits.dtype)
+        if bool((min_p > 0).any()):
+            probs = torch.softmax(scaled, dim=-1)
+            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
+        return scaled
+
+    @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
-        row = row / sp.temperature
+        # row: already over the temperature, min-p applied (_temperature_min_p)
         if sp.top_k > 0 and sp.top_k < row.numel():
             kth = torch.topk(row, sp.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -27,20 +28,60 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True  # drop special tokens from the output text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Penalties (engine/penalties.py): applied after logit_bias, before temperature.
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already output
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per earlier output of the token
+    repetition_penalty: float = 1.0  # > 0: logits of prompt and output tokens divided (> 0)
+    # or multiplied (< 0) by it; 1 = off
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the top token's prob
+    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in the output
+    no_repeat_ngram_window: int = 0  # only n-grams starting in the last this-many output
+    # tokens count (0: the whole output)
+    no_repeat_ngram_whitelist: list[int] | None = None  # token ids the guard never bans
+    # vLLM's extension dict: the n-gram guard's knobs under vLLM's names (ngram_size,
+    # window_size, whitelist_token_ids), as DeepSeek-OCR's recipes pass them
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._take_extra_args()
         self.verify()
+
+    def _take_extra_args(self) -> None:
+        """Move vLLM's n-gram keys from ``extra_args`` into the fields (idempotent: the
+        wire decodes a struct through __post_init__ again)."""
+        extra = self.extra_args
+        if not extra:
+            return
+        if not isinstance(extra, dict):
+            raise ValueError("extra_args must be a dict")
+        unknown = sorted(set(extra) - set(EXTRA_ARGS))
+        if unknown:
+            raise ValueError(f"extra_args: unknown key(s) {unknown}; this engine takes "
+                             f"{sorted(EXTRA_ARGS)} (the no-repeat n-gram guard)")
+        for key, field in EXTRA_ARGS.items():
+            if key in extra:
+                v = extra[key]
+                if field == "no_repeat_ngram_whitelist":
+                    v = sorted(v) if isinstance(v, (set, frozenset, list, tuple)) else v
+                    if not isinstance(v, list) or not all(
+                            isinstance(t, int) and not isinstance(t, bool) for t in v):
+                        raise ValueError(f"extra_args.{key} must be a list of token ids")
+                elif isinstance(v, bool) or not isinstance(v, int):
+                    raise ValueError(f"extra_args.{key} must be an integer")
+                setattr(self, field, v)
+        self.extra_args = None
 
     def verify(self) -> None:
         # NOTE: NaN passes every `<` check; a NaN temperature used to reach the sampler and
         # fail the whole batch. Every float must be finite, every int fit the wire (int64).
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
-                     "prompt_logprobs"):
+                     "prompt_logprobs", "no_repeat_ngram_size", "no_repeat_ngram_window"):
             v = getattr(self, name)
             if v is not None and not -_INT64 - 1 <= v <= _INT64:
                 raise ValueError(f"{name} is out of range")
@@ -65,7 +106,32 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for tid, bias in (self.logit_bias or {}).items():
             if tid < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_window < 0:
+            raise ValueError("no_repeat_ngram_size and no_repeat_ngram_window must be "
+                             "non-negative (0: off / the whole output)")
+        if any(not 0 <= t <= _INT64 for t in self.no_repeat_ngram_whitelist or []):
+            raise ValueError("no_repeat_ngram_whitelist must hold non-negative token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalised(self) -> bool:
+        """Whether this request needs token history at sampling time (engine/penalties.py);
+        requests without it cost the batch nothing."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0)
+
+
+# vLLM's extra_args keys for the no-repeat n-gram guard -> our fields
+EXTRA_ARGS = {"ngram_size": "no_repeat_ngram_size", "window_size": "no_repeat_ngram_window",
+              "whitelist_token_ids": "no_repeat_ngram_whitelist"}

@@ -129,7 +129,7 @@ def test_bad_media_and_prompts(client, media_dir, files, name):
 BODY_CASES = {
     "malformed json": (b"{not json", 400, "json"),
     "no messages": ({"messages": []}, 400, "messages"),
-    "bad role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    "bad role": ({"messages": [{"role": "", "content": "hi"}]}, 400, "role"),
     "unknown part type": ({"messages": user({"type": "audio_url", "audio_url": "x"})}, 400,
                           "type"),
     "image part without url": ({"messages": user({"type": "image_url"})}, 400, "image_url"),
