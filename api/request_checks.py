@@ -173,8 +173,9 @@ def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
     bad = sorted({t for p in prompts if not isinstance(p, str) for t in p
                   if t >= limits.vocab_size})
     if bad:
-        raise bad_request("prompt", f"token id(s) {some([str(t) for t in bad])} are out of "
-                                    f"vocabulary (the vocabulary is [0, {limits.vocab_size}))")
+        raise bad_request("prompt", f"prompt token ids out of vocabulary: "
+                                    f"{some([str(t) for t in bad])} (the vocabulary is "
+                                    f"[0, {limits.vocab_size}))")
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -62,9 +62,11 @@ def ngram_guard(body: ChatCompletionRequest | CompletionRequest) -> dict[str, An
         where = f"vllm_xargs.{key}"
         if key == "whitelist_token_ids":
             if not isinstance(value, list) or not all(
-                    isinstance(t, int) and 0 <= t <= 2**31 - 1 for t in value):
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 2**31 - 1
+                    for t in value):
                 raise bad_request(where, f"{where} must be a list of token ids")
-        elif not isinstance(value, int) or not 0 <= value <= 2**31 - 1:
+        elif isinstance(value, bool) or not isinstance(value, int) or \
+                not 0 <= value <= 2**31 - 1:
             raise bad_request(where, f"{where} must be a non-negative integer")
         out[_NGRAM_XARGS[key]] = value
     return out

@@ -18,8 +18,8 @@ def validate_request(prompt_token_ids: list[int], mm_items: list[MMItem], shape:
                          "use fewer/smaller images, or raise max_model_len")
     if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         bad = sorted({t for t in prompt_token_ids if not 0 <= t < vocab_size})
-        raise ValueError(f"prompt token id(s) {bad[:10]} are out of vocabulary (the "
-                         f"vocabulary is [0, {vocab_size}))")
+        raise ValueError(f"prompt token ids out of vocabulary: {bad[:10]} (the vocabulary "
+                         f"is [0, {vocab_size}))")
     merge2 = shape.spatial_merge_size ** 2
     prev_end = 0
     for i, it in enumerate(sorted(mm_items, key=lambda x: x.offset)):

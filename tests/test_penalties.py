@@ -69,11 +69,11 @@ ROWS = [  # (params, prompt, outputs)
 def test_batched_ops_equal_the_per_row_reference():
     torch.manual_seed(0)
     logits = torch.randn(len(ROWS), 12) * 3
-    state = PenaltyState(capacity=1)  # grows while adding
+    state = PenaltyState()
     for i, (sp, prompt, out) in enumerate(ROWS):
         state.add(f"r{i}", sp, prompt, out[:-1])
     rids = [f"r{i}" for i in range(len(ROWS))]
-    state.apply(logits, rids)  # builds the rows; the last output token comes by append
+    state.apply(logits, rids)  # a first step; then the last output token arrives
     for i, (_, _, out) in enumerate(ROWS):
         state.append(f"r{i}", out[-1])
     got = state.apply(logits, rids)
@@ -101,6 +101,10 @@ def test_state_is_rebuilt_when_a_request_rejoins():
     state.add("a", sp, [0], [1, 1, 1, 2])  # ... and back with its tokens (recompute)
     got = state.apply(logits, ["a"])
     assert got[0, 1] == -3.0 and got[0, 2] == -1.0 and got[0, 0] == 0.0
+    for t in list(range(3, 40)) + [39]:  # new ids past the first buffer (it doubles)
+        state.append("a", t)
+    got = state.apply(torch.zeros(1, 64), ["a"])
+    assert got[0, 3] == -1.0 and got[0, 39] == -2.0 and got[0, 40] == 0.0
 
 
 def test_the_batch_keeps_the_state_through_join_append_and_row_moves():

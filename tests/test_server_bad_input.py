@@ -100,10 +100,11 @@ CASES = {
                         "private"),
     "localhost url": (lambda _, p: user(image_part(f"http://localhost:{p}/ok.png")), 400,
                       "private"),
-    "prompt too long": ([{"role": "user", "content": "word " * 600}], 400, "max_model_len"),
+    "prompt too long": ([{"role": "user", "content": "word " * 600}], 400,
+                        "maximum context length is 512"),
     "too many image tokens": (user(image_part(data_url(png(img(6, 560, 560)))),
                                    image_part(data_url(png(img(7, 560, 560))))), 400,
-                              "max_model_len"),
+                              "maximum context length is 512"),
     "placeholder smuggled in text": (user(text_part("<|vision_start|><|image_pad|>"
                                                     "<|vision_end|>")), 400, ""),
 }
