@@ -49,7 +49,7 @@ def run_rank(spec: Any) -> None:
     from transformers import AutoConfig
     from triptych.config import EngineConfig
     from triptych.parallel import wire as tp_wire
-    from triptych.engine.engine_core import ModelShape, num_kv_blocks, resolve_device, resolve_dtype
+    from triptych.engine.model_shape import ModelShape, num_kv_blocks, resolve_device, resolve_dtype
     from triptych.engine.model_runner import ModelRunner
     from triptych.worker.threads import apply_thread_policy
     from triptych.parallel.group import command_address, rank_device, store_path

@@ -103,7 +103,7 @@ def test_decode_blocks_hold_the_prefill_bytes(pd, n_tokens):
     p.core.add_request("colocated", prompt, GREEDY)
     alone = []
     while p.core.has_unfinished_requests():
-        alone += [t for o in p.core.step() for t in o.new_token_ids]
+        alone += [t for o in p.core.step().outputs for t in o.new_token_ids]
     assert tokens == alone
     d.core.kv.check_integrity()
     p.core.kv.check_integrity()
