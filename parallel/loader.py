@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from triptych.config import EngineConfig
 from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.encoder_runner import EncoderRunner
@@ -41,17 +42,12 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
     a pool worker's transport (and CURVE key) for its ranks' KV endpoints (rank to rank
     between groups). Raises ValueError for knobs the checkpoint cannot take, before any
     process starts or weight loads."""
-    from transformers import AutoConfig
-    from triptych.kernels import resolve_backend
     from triptych.models import load_model
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     device = resolve_device(config.device)
-    hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-    dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
-    backend = resolve_backend(config.attention_backend, device.type)
-    shape = ModelShape.from_hf(hf)
+    hf, dtype, backend, shape = read_checkpoint(config, device)
     max_model_len = resolve_max_model_len(config, shape.max_position_embeddings)
     if role == "engine":
         check_batch_budget(config, max_model_len)
@@ -75,6 +71,19 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
             group.close()
         raise
     return loaded
+
+
+def read_checkpoint(config: EngineConfig, device: torch.device
+                    ) -> tuple[Any, torch.dtype, str, ModelShape]:
+    """The checkpoint's HF config, and the dtype, attention backend and shape it resolves
+    to on ``device`` (every rank of a group reads the same)."""
+    from transformers import AutoConfig
+    from triptych.kernels import resolve_backend
+
+    hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
+    backend = resolve_backend(config.attention_backend, device.type)
+    return hf, dtype, backend, ModelShape.from_hf(hf)
 
 
 def load_engine_core(config: EngineConfig, eos_token_id: int | None = None,
