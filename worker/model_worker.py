@@ -44,14 +44,17 @@ class ModelWorker(Handler):
             config, spec.eos_token_id, data_kind=endpoint_kind(config, spec) if data_plane else "",
             key_name=key_name(spec))
         self.connector = self.inbox = None
+        pixels = None
         try:
-            self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
+            self.pixels = pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
             if data_plane:
                 self.connector = data_endpoint(config, spec)
                 self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
                                             self.core.dtype, config.kv_transfer_timeout)
         except BaseException:
-            self.core.close()
+            if pixels is not None:
+                pixels.close()
+            self.core.close()  # (its tensor-parallel ranks stop with it)
             raise
         self._pending: list[msgspec.Struct] = []  # replies of callbacks (admit) to send
         self.last_outputs: list[EngineCoreOutput] = []  # the last step's outputs
