@@ -57,7 +57,7 @@ class EngineConfig:
     encode_tensor_parallel_size: int | None = None  # ranks of each encode worker (default: tensor_parallel_size)
     prefill_tensor_parallel_size: int | None = None  # ranks of each prefill worker (default: tensor_parallel_size)
     decode_tensor_parallel_size: int | None = None  # ranks of each decode worker (default: tensor_parallel_size)
-    kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | inproc | shm | tcp (auto: shm on one host)
+    kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | shm | tcp (auto: shm on one host; inproc is for handlers in one process, refused for pools)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
     kv_transfer_host: str = "127.0.0.1"  # kv_transfer=tcp: address this host's workers bind their data endpoints to
     worker_address: str | None = None  # tcp://HOST:PORT where pool workers on other hosts register (off unless set; needs worker_keys)
@@ -109,6 +109,11 @@ class EngineConfig:
                              "decode_workers)")
         if self.kv_transfer not in ("auto", "inproc", "shm", "tcp"):
             raise ValueError(f"kv_transfer must be auto, inproc, shm or tcp, got {self.kv_transfer!r}")
+        if self.kv_transfer == "inproc" and (self.decode_workers or self.worker_address):
+            # NOTE: every pool worker is its own process; inproc endpoints join one process
+            # only (tests and tools that run handlers side by side make their own).
+            raise ValueError("kv_transfer=inproc moves data inside one process, but pool "
+                             "workers are separate processes: use auto, shm (one host) or tcp")
         if self.worker_address is not None:
             if not self.worker_address.startswith("tcp://"):
                 raise ValueError("worker_address must be tcp://HOST:PORT")

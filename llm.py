@@ -21,7 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from triptych.api.processor import ProcessedPrompt
 from triptych.config import EngineConfig
-from triptych.engine.llm_engine import LLMEngine
+from triptych.llm_engine import LLMEngine
 from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ class LLM:
         from triptych.router.layout import Layout
         from triptych.api.media.decode import MediaLimits
         from triptych.api.processor import InputProcessor
-        from triptych.engine.engine_core import resolve_max_model_len
+        from triptych.engine.model_shape import resolve_max_model_len
         from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
 
         self.config = EngineConfig.from_kwargs(model=model, **knobs)

@@ -19,17 +19,13 @@ import msgspec
 import zmq
 from triptych.config import EngineConfig
 from triptych.connector import ConnectorError
-from triptych.engine.encoder_cache import EncoderCache
-from triptych.engine.encoder_runner import EncoderRunner
-from triptych.worker import wire
-from triptych.worker.data_endpoint import data_endpoint
-from triptych.engine.engine_core import ModelShape, resolve_device, resolve_dtype
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem
-from triptych.parallel.group import start_group
-from triptych.parallel.runner import TPEncoder
-from triptych.worker.loop import Handler, WorkerSpec, main
 from triptych.mmcache.consumer import WorkerPixels
+from triptych.parallel.loader import load_for_role
+from triptych.worker import wire
+from triptych.worker.data_endpoint import data_endpoint
+from triptych.worker.loop import Handler, WorkerSpec, main
 
 logger = logging.getLogger("triptych.encode")
 
@@ -42,27 +38,14 @@ class _Job:
 
 
 class EncodeWorker(Handler):
-    def __init__(self, spec: WorkerSpec) -> None:
-        from transformers import AutoConfig
-        from triptych.kernels import resolve_backend
-        from triptych.models import load_model
+    """Runs the vision tower (one process, or rank 0 of a group) for the prefilling pools."""
 
+    def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
-        device = resolve_device(config.device)
-        hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-        dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
-        backend = resolve_backend(config.attention_backend, device.type)
-        self.shape = ModelShape.from_hf(hf)
         # tensor_parallel_size > 1: rank 0 of a group that runs the tower together
-        self.group = start_group(config, hf, "encode", device)
-        model, hf = load_model(config.model, dtype, str(device), backend,
-                               tp=self.group.ctx if self.group else None,
-                               shard_vision=self.group is None or self.group.encoder_mode == "weights",
-                               cpu_gemm=config.cpu_gemm)
-        encode_fn = model.encode_images if self.group is None else \
-            TPEncoder(self.group, model, self.shape.hidden_size, dtype)
-        self.runner = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
-                                    dtype)
+        self.loaded = load_for_role(config, "encode")
+        self.shape = self.loaded.shape
+        self.runner = self.loaded.encoder
         self.connector = data_endpoint(config, spec)
         self.pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
         self._jobs: list[_Job] = []
@@ -160,8 +143,7 @@ class EncodeWorker(Handler):
     def close(self) -> None:
         self.pixels.close()
         self.connector.close()
-        if self.group is not None:
-            self.group.close()
+        self.loaded.close()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ from triptych.engine.sampler import Sampler, SamplerOutput
 from triptych.engine.scheduler import SchedulerOutput
 
 
+class RunnerBroken(Exception):
+    """The runner's state cannot be trusted any more (e.g. a tensor-parallel group out of
+    step): the engine must not retry the step per request; the worker stops instead.
+
+    NOTE: not a RuntimeError, which callers catch to retry a request alone."""
+
+
 class StepTimes:
     """Seconds spent per phase of ``execute`` (summed over steps; read by the profiler)."""
 
@@ -70,7 +77,7 @@ class ModelRunner:
             parts.append(t.expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
-    def _sync(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> np.ndarray:
+    def _sync(self, out: SchedulerOutput) -> np.ndarray:
         """Make the batch hold exactly this step's requests; returns tokens per row.
 
         A row is rewritten when its request is new, is another object under a reused id,
@@ -90,9 +97,9 @@ class ModelRunner:
                 batch.remove(rid)
                 row = None
             if row is None:
-                batch.add(req, block_ids[rid])
+                batch.add(req, out.block_ids[rid])
             else:
-                batch.set_blocks(row, block_ids[rid])
+                batch.set_blocks(row, out.block_ids[rid])
         batch.condense()
         num_scheduled = np.zeros(batch.num_reqs, dtype=np.int64)
         for req, n in out.scheduled:
@@ -156,10 +163,11 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]
+    def execute(self, out: SchedulerOutput
                 ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
+        """Run one step; returns sampled token ids and their logprobs by request id."""
         marks = [time.perf_counter()]
-        num_scheduled = self._sync(out, block_ids)
+        num_scheduled = self._sync(out)
         inp = self.batch.prepare(num_scheduled)
         marks.append(time.perf_counter())
         logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks)
@@ -200,7 +208,7 @@ class ModelRunner:
                 d[tok] = chosen[j]
                 req.prompt_logprobs[t0 + 1 + j] = d  # keyed by the token it scores
 
-    # -- KV blocks by id (a prefill worker's export, a decode worker's import) ---------------
+    # -- KV blocks by id (a prefill worker's KVSender, a decode worker's KVReceiver) ---------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[num_layers, 2, n, block_size, num_kv_heads, head_dim] host copy of these blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -21,15 +21,26 @@ logger = logging.getLogger("triptych.scheduler")
 
 @dataclass
 class SchedulerOutput:
-    """What the runner computes this step."""
+    """What the scheduler tells the runner to compute this step."""
 
     scheduled: list[tuple[Request, int]]  # (request, num new tokens) in batch order
     num_scheduled_tokens: int  # sum of the above
-    preempted_ids: list[str] = field(default_factory=list)  # preempted during this schedule
+    block_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> its KV
+    # block table (every block it holds, in order) for each scheduled request
+    preempted: list[Request] = field(default_factory=list)  # preempted during this schedule
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def preempted_ids(self) -> list[str]:
+        return [r.request_id for r in self.preempted]
+
+    def subset(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        """The same step for some of its requests (a failed batch is bisected)."""
+        return SchedulerOutput(scheduled, sum(n for _, n in scheduled),
+                               {r.request_id: self.block_ids[r.request_id] for r, _ in scheduled})
 
 
 class Scheduler:
@@ -86,7 +97,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted: list[str] = []
+        preempted: list[Request] = []
         # Decodes first, then running prefill chunks, each in admission order.
         order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
         for req in order:
@@ -98,7 +109,7 @@ class Scheduler:
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted.append(victim)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -107,7 +118,8 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit_waiting(scheduled, budget)
-        return SchedulerOutput(scheduled, sum(n for _, n in scheduled), preempted)
+        block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
+        return SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

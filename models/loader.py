@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from triptych.parallel.context import TPContext
 from triptych.models.registry import resolve_model_class
+
+if TYPE_CHECKING:  # the type only: models stand below parallel/
+    from triptych.parallel.context import TPContext
 
 
 def safetensors_files(model_dir: str) -> list[str]:

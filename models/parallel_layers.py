@@ -16,13 +16,17 @@ go. The loader reads exactly those slices from safetensors, never the whole tens
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from triptych.kernels.cpu_linear import linear
-from triptych.parallel.context import TPContext
+
+if TYPE_CHECKING:  # the type only: models stand below parallel/
+    from triptych.parallel.context import TPContext
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
-from triptych.parallel.context import TPContext
 from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+
+if TYPE_CHECKING:  # the type only: models stand below parallel/
+    from triptych.parallel.context import TPContext
 
 logger = logging.getLogger("triptych.models")
 
@@ -39,6 +41,27 @@ def rope_config(text: Any) -> tuple[float, list[int]]:
     return float(theta), section
 
 
+def text_head_dim(text: Any) -> int:
+    """The language model's attention head size: ``hidden_size / num_attention_heads``.
+
+    The one source of the value for the model's attention, its rotary tables and the KV
+    cache. NOTE: HF's Qwen2-VL / Qwen2.5-VL attention derives it from hidden_size and
+    ignores a ``head_dim`` in the config, while HF's rotary embedding would read one: a
+    checkpoint whose ``head_dim`` disagrees has weights of the derived size and cannot run
+    in HF either, so it is refused here rather than run with mismatched shapes."""
+    heads = text.num_attention_heads
+    if text.hidden_size % heads:
+        raise ValueError(f"hidden_size {text.hidden_size} is not a multiple of "
+                         f"num_attention_heads {heads}")
+    derived = text.hidden_size // heads
+    given = getattr(text, "head_dim", None)
+    if given is not None and given != derived:
+        raise ValueError(f"the checkpoint's head_dim ({given}) differs from hidden_size / "
+                         f"num_attention_heads ({derived}), which Qwen2-VL's attention uses "
+                         "(HF transformers cannot run such a checkpoint either)")
+    return derived
+
+
 class Qwen2Attention(nn.Module):
     """Self-attention with one fused q|k|v projection (the checkpoint's three are stacked
     by rows at load, see ``FusedLinear``): one GEMM instead of three per layer."""
@@ -46,8 +69,7 @@ class Qwen2Attention(nn.Module):
     def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = text.num_attention_heads, text.num_key_value_heads
-        # NOTE: HF derives head_dim from hidden_size even if the config carries head_dim
-        self.head_dim = text.hidden_size // self.num_heads
+        self.head_dim = text_head_dim(text)
         h, d = text.hidden_size, self.head_dim
         self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_proj = FusedLinear.single(
@@ -165,7 +187,7 @@ class Qwen2VLForCausalLM(nn.Module):
         self.config = config
         self.ops = get_ops(attention_backend)
         self.rope_theta, self.mrope_section = rope_config(text)
-        self.head_dim = text.hidden_size // text.num_attention_heads
+        self.head_dim = text_head_dim(text)
         if sum(self.mrope_section) != self.head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 "
                              f"= {self.head_dim // 2}")

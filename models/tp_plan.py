@@ -16,17 +16,19 @@ Norms, rotary tables and the patch embedding stay whole on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from triptych.models.attention import PagedAttention
-from triptych.parallel.context import TPContext
 from triptych.models.parallel_layers import (
     FusedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     rank_part,
 )
+
+if TYPE_CHECKING:  # the type only: models stand below parallel/
+    from triptych.parallel.context import TPContext
 
 logger = logging.getLogger("triptych.models")
 

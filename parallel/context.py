@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from triptych.engine.model_runner import RunnerBroken
 
 logger = logging.getLogger("triptych.tp")
 
@@ -25,12 +26,13 @@ logger = logging.getLogger("triptych.tp")
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-class TPGroupError(Exception):
+class TPGroupError(RunnerBroken):
     """The group cannot be trusted any more (a rank died, a collective failed or timed out):
     the worker must stop so the supervisor restarts the whole group.
 
     NOTE: not a RuntimeError, which callers catch to retry a request alone (the encode
-    worker does): retrying on a broken group would keep a useless worker alive."""
+    worker does): retrying on a broken group would keep a useless worker alive. A
+    ``RunnerBroken``, so the engine core does not bisect the batch either."""
 
 
 @dataclass

@@ -46,17 +46,17 @@ def run_rank(spec: Any) -> None:
     import torch
     import torch.distributed as dist
     import zmq
-    from transformers import AutoConfig
     from triptych.config import EngineConfig
-    from triptych.parallel import wire as tp_wire
-    from triptych.engine.engine_core import ModelShape, num_kv_blocks, resolve_device, resolve_dtype
     from triptych.engine.model_runner import ModelRunner
-    from triptych.worker.threads import apply_thread_policy
-    from triptych.parallel.group import command_address, rank_device, store_path
-    from triptych.kernels import get_ops, resolve_backend
+    from triptych.engine.model_shape import num_kv_blocks, resolve_device
+    from triptych.kernels import get_ops
     from triptych.models import load_model
-    from triptych.parallel.context import TPContext
     from triptych.models.tp_plan import local_kv_heads
+    from triptych.parallel import wire as tp_wire
+    from triptych.parallel.context import TPContext
+    from triptych.parallel.group import command_address, rank_device, store_path
+    from triptych.parallel.loader import read_checkpoint
+    from triptych.worker.threads import apply_thread_policy
 
     apply_thread_policy(max(1, spec.num_threads))
     config = EngineConfig(**spec.config)
@@ -69,12 +69,9 @@ def run_rank(spec: Any) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = TPContext.connect(store, spec.rank, spec.size, device)
-    hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-    dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
-    backend = resolve_backend(config.attention_backend, device.type)
-    model, hf = load_model(config.model, dtype, str(device), backend, tp=ctx,
-                           shard_vision=spec.encoder_mode == "weights", cpu_gemm=config.cpu_gemm)
-    shape = ModelShape.from_hf(hf)
+    _, dtype, backend, shape = read_checkpoint(config, device)  # as rank 0 read it
+    model, _ = load_model(config.model, dtype, str(device), backend, tp=ctx,
+                          shard_vision=spec.encoder_mode == "weights", cpu_gemm=config.cpu_gemm)
     runner = None
     if spec.role == "engine":
         blocks = ctx.min_int(num_kv_blocks(config, shape, dtype, device, spec.size))

@@ -12,6 +12,7 @@ from triptych import LLM, SamplingParams
 from triptych.models.hf_oracle import hf_greedy, load_hf_model
 
 sys.path.insert(0, os.path.dirname(__file__))
+from kv_handoff import HandOff  # noqa: E402
 from server_fixtures import image_chat as chat  # noqa: E402
 from server_fixtures import img as image  # noqa: E402
 
@@ -63,20 +64,18 @@ def test_join_finish_preempt_abort_reuse_import(tiny_qwen2_vl, oracle):
     step()
     assert "r1" not in eng.runner.batch
     add("r1", "r6")  # the aborted id, reused by a different prompt
-    # a request whose prompt KV was computed by another engine (a prefill worker)
-    pre = probe
+    # a request whose prompt KV was computed by another engine (a prefill worker), moved
+    # the way the pools move it (KVSender -> connector -> KVReceiver)
     p = processed["r2"]
-    pre.engine.add_request("x", p.prompt_token_ids, greedy(5), p.mm_items,
-                           hand_off_after_prefill=True)
-    (handed,) = [o for o in pre.engine.step() if o.finished]
-    kv = pre.engine.export_kv("x")
-    while True:  # admitted as soon as the busy cache has room, mid-batch
-        try:
-            eng.import_request("imp", p.prompt_token_ids, handed.outputs[0].token_ids[0],
-                               greedy(5), kv, p.mm_items)
-            break
-        except RuntimeError:
-            step()
+    link = HandOff(probe.engine.core, eng.core)
+    reserved = link.reserve("imp", p.prompt_token_ids, greedy(5), p.mm_items)
+    while reserved is None:  # reserved as soon as the busy cache has room, mid-batch
+        step()
+        (reserved, *_) = link.receiver.retry() or [None]
+    link.prefill_and_send("imp", p.prompt_token_ids, greedy(5), p.mm_items, reserved)
+    imp = link.receive()
+    link.close()
+    assert imp is not None and imp in eng.scheduler.running
     assert eng.has_unfinished_requests() and len(eng.scheduler.running) > 1
     while eng.has_unfinished_requests():
         step()
@@ -85,9 +84,9 @@ def test_join_finish_preempt_abort_reuse_import(tiny_qwen2_vl, oracle):
     # rows of the last step's finishers are dropped at the next execute (nothing else left)
     assert all(eng.runner.batch.reqs[r].finished for r in eng.runner.batch.index.values())
     expect = {"r0": "r0", "r2": "r2", "r3": "r3", "r4": "r4", "r5": "r5", "r1": "r6"}
-    assert set(done) == set(expect) | {"imp"}
+    assert set(done) == set(expect)  # (imp's tokens: its request object, below)
     for rid, key in expect.items():
         tokens, _ = hf_greedy(oracle, processed[key], lens[key], pad)
         assert done[rid] == tokens, rid
     tokens, _ = hf_greedy(oracle, processed["r2"], 5, pad)
-    assert done["imp"] == tokens
+    assert imp.finished and imp.output_token_ids == tokens

@@ -103,7 +103,7 @@ def test_decode_blocks_hold_the_prefill_bytes(pd, n_tokens):
     p.core.add_request("colocated", prompt, GREEDY)
     alone = []
     while p.core.has_unfinished_requests():
-        alone += [t for o in p.core.step() for t in o.new_token_ids]
+        alone += [t for o in p.core.step().outputs for t in o.new_token_ids]
     assert tokens == alone
     d.core.kv.check_integrity()
     p.core.kv.check_integrity()
@@ -201,3 +201,17 @@ def test_a_reservation_without_room_waits_then_holds(pd):
     for i in range(1, 5):
         d.receiver.cancel(f"hog{i}")
     assert d.core.kv.pool.num_free_blocks == 64
+
+
+def test_inproc_is_refused_for_pool_layouts():
+    """Pool workers are processes: kv_transfer=inproc could never join them, so the config
+    refuses it up front (rather than every worker failing at start)."""
+    from triptych.config import EngineConfig
+
+    for pools in ({"decode_workers": 1}, {"prefill_workers": 1, "decode_workers": 1},
+                  {"encode_workers": 1, "decode_workers": 2}):
+        with pytest.raises(ValueError, match=r"kv_transfer=inproc .* separate processes"):
+            EngineConfig(model="unused", kv_transfer="inproc", **pools)
+        for kind in ("auto", "shm", "tcp"):
+            EngineConfig(model="unused", kv_transfer=kind, **pools)
+    EngineConfig(model="unused", kv_transfer="inproc")  # colocated: no data plane to refuse

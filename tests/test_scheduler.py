@@ -61,6 +61,18 @@ def test_no_chunking_waits_for_budget():
     assert got == [("a", 1), ("b", 6)]
 
 
+def test_block_ids_travel_with_the_schedule():
+    s = make(num_blocks=8, block_size=4, budget=32)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 3, first=50))
+    _, out = run_step(s)
+    assert out.block_ids == {"a": [0, 1], "b": [2]}  # exact ids: fresh pool, in order
+    sub = out.subset(out.scheduled[1:])
+    assert sub.block_ids == {"b": [2]} and sub.num_scheduled_tokens == 3
+    _, out = run_step(s)
+    assert out.block_ids == {"a": [0, 1], "b": [2]}  # decodes: 7 and 4 tokens still fit
+
+
 def test_max_num_seqs():
     s = make(seqs=2)
     for i in range(3):
@@ -78,9 +90,10 @@ def test_preemption_takes_latest_admitted_and_recomputes():
     run_step(s)  # both prefilled: 7 tokens computed, 1 sampled
     run_step(s)  # token 8 of each still fits in 2 blocks
     got, out = run_step(s)  # token 9 needs a 3rd block: b (admitted last) is preempted
-    assert out.preempted_ids == ["b"]
-    assert got == [("a", 1)]
     b = s.requests["b"]
+    assert out.preempted == [b] and out.preempted_ids == ["b"]
+    assert got == [("a", 1)]
+    assert out.block_ids == {"a": s.kv.block_ids("a")} and len(out.block_ids["a"]) == 3
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert s.num_preemptions_total == 1 and s.waiting[0] is b
     s.kv.check_integrity()
@@ -121,9 +134,10 @@ def test_prefilled_request_enters_running():
     r.output_token_ids.append(11)  # the first token, sampled by the prefill worker
     s.kv.pool.touch([s.kv.pool.blocks[3], s.kv.pool.blocks[5]])
     s.add_prefilled_request(r, [3, 5])
-    got, _ = run_step(s)
+    got, out = run_step(s)
     assert got == [("x", 1)]
     assert s.kv.block_ids("x")[:2] == [3, 5]
+    assert out.block_ids["x"][:2] == [3, 5]  # the runner's block table comes with the step
 
 
 def test_hand_off_after_first_token_keeps_blocks():

@@ -142,7 +142,7 @@ def core_greedy(core, prompts) -> list[list[int]]:
         core.add_request(f"r{i}", p.prompt_token_ids, sp, p.mm_items)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_unfinished_requests():
-        for o in core.step():
+        for o in core.step().outputs:
             out[o.request_id] += o.new_token_ids
     return [out[f"r{i}"] for i in range(len(prompts))]
 
@@ -150,7 +150,7 @@ def core_greedy(core, prompts) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 def test_encoder_modes_match_one_rank(arch, request):
     from triptych.config import EngineConfig
-    from triptych.engine.engine_core import EngineCore
+    from triptych.parallel.loader import load_engine_core
 
     model = request.getfixturevalue(f"tiny_{arch}")
     one = LLM(model, **KNOBS)
@@ -162,8 +162,8 @@ def test_encoder_modes_match_one_rank(arch, request):
     want = [o.outputs[0].token_ids for o in one.chat(
         convs, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
     for mode in ("data", "weights"):
-        core = EngineCore(EngineConfig(model=model, tensor_parallel_size=2,
-                                       mm_encoder_tp_mode=mode, **KNOBS))
+        core = load_engine_core(EngineConfig(model=model, tensor_parallel_size=2,
+                                             mm_encoder_tp_mode=mode, **KNOBS))
         pids = [p.pid for p in core.group.procs]
         try:
             assert core.group.encoder_mode == mode

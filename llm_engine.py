@@ -4,6 +4,10 @@ An ``EngineCore`` (token ids) plus an ``OutputProcessor`` (text) in one loop; th
 ``LLM`` drives it. The server and the disaggregated pools run the same two halves in
 different processes: the core in each worker, the output processor in the API process.
 
+NOTE: it lives beside ``llm.py``, not in ``engine/``: it assembles a process (thread
+policy from ``worker/threads.py``, the model from ``parallel/loader.py``, which may start
+tensor-parallel ranks) the way a pool worker does, and ``engine/`` stands below both.
+
     step():  core.step() -> output_processor.process() -> abort what stop strings ended
 """
 from __future__ import annotations
@@ -12,25 +16,21 @@ import logging
 import time
 from typing import Any
 
-import torch
 from triptych.config import EngineConfig
-from triptych.engine.engine_core import (  # noqa: F401 (re-exported for callers)
-    EngineCore,
-    ModelShape,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-)
+from triptych.engine.engine_core import EngineCore
 from triptych.engine.output_processor import OutputProcessor
-from triptych.engine.outputs import EngineCoreOutput, RequestOutput
+from triptych.engine.outputs import RequestOutput
 from triptych.engine.request import MMItem
 from triptych.engine.sampling_params import SamplingParams
+from triptych.parallel.loader import load_engine_core
 from triptych.worker.threads import apply_thread_policy
 
 logger = logging.getLogger("triptych.engine")
 
 
 class LLMEngine:
+    """The colocated engine of one process: token ids in the core, text around it."""
+
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         if config.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 runs replicas as worker processes: use "
@@ -43,7 +43,7 @@ class LLMEngine:
                                                       local_files_only=True)
         self.config = config
         self.tokenizer = tokenizer
-        self.core = EngineCore(config, eos_token_id=tokenizer.eos_token_id)
+        self.core: EngineCore = load_engine_core(config, tokenizer.eos_token_id)
         self.outputs = OutputProcessor(tokenizer)
         self._last_log = time.monotonic()
 
@@ -66,7 +66,7 @@ class LLMEngine:
         """Queue a processed prompt. Raises ValueError on bad input; nothing else changes.
 
         ``hand_off_after_prefill``: stop after the first token and keep the prompt's KV
-        blocks for ``export_kv`` (a prefill worker). ``stream``: text deltas are read as the
+        blocks for a ``KVSender`` (what a prefill worker does). ``stream``: text deltas are read as the
         request runs (otherwise its text is decoded once, at the end)."""
         mm_items = mm_items or []
         params.verify()
@@ -75,20 +75,6 @@ class LLMEngine:
         for cid, sp in kids:
             self.core.add_request(cid, prompt_token_ids, sp, mm_items,
                                   hand_off_after_prefill=hand_off_after_prefill)
-
-    def export_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.core.export_kv(request_id)
-
-    def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                       params: SamplingParams, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                       mm_items: list[MMItem] | None = None) -> None:
-        """Admit a request whose prompt KV was computed elsewhere (see EngineCore)."""
-        if params.n != 1:
-            raise ValueError("imported requests carry one completion (n=1)")
-        self.core.import_request(request_id, prompt_token_ids, first_token, params, kv, mm_items)
-        self.outputs.add(request_id, None, prompt_token_ids, params)
-        # The prefill side sampled the first token: it is this request's first output.
-        self.outputs.process([EngineCoreOutput(request_id, [first_token])])
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -100,7 +86,7 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outs, stopped = self.outputs.process(self.core.step())
+        outs, stopped = self.outputs.process(self.core.step().outputs)
         self.core.abort(stopped)  # stop strings are found in text, after the core
         self._maybe_log_stats()
         return outs

@@ -1,0 +1,41 @@
+"""LoadedModel: what a worker process runs, as ``parallel/loader.py`` built it.
+
+The loader picks the parts (one process, or rank 0 of a tensor-parallel group with its
+runner and encoder driving the ranks); the engine core and the encode worker take them
+as they are, so ``engine/`` never needs to know how a group is started.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from triptych.engine.encoder_runner import EncoderRunner
+from triptych.engine.model_runner import ModelRunner
+from triptych.engine.model_shape import ModelShape
+
+
+@dataclass
+class LoadedModel:
+    """A role's model and runners. ``runner`` / ``num_blocks``: the engine role only."""
+
+    model: Any  # models.Qwen2VLForCausalLM (rank 0's shard in a group)
+    hf_config: Any  # the checkpoint's transformers config
+    shape: ModelShape
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str  # torch | triton
+    max_model_len: int  # resolved from the knob and the checkpoint
+    encoder: EncoderRunner  # the vision tower behind its cache (the group's, in a group)
+    runner: ModelRunner | None = None  # None for the encode role
+    num_blocks: int = 0  # KV blocks of the runner's cache (agreed by every rank)
+    group: Any = None  # rank 0's TPGroup (parallel/group.py), None for one process
+
+    @property
+    def tp_size(self) -> int:
+        return self.group.size if self.group is not None else 1
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do for one process)."""
+        if self.group is not None:
+            self.group.close()

@@ -1,0 +1,116 @@
+"""What the engine needs to know about a checkpoint, read once from its config, and the
+values derived from it and the knobs (device, dtype, max_model_len, KV blocks).
+
+Everything here is computed once per process and passed on explicitly; nothing is written
+back into the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from triptych.config import EngineConfig, parse_size
+from triptych.models.qwen2_vl import text_head_dim
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The language model's sizes and special tokens, read once from the HF config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int  # the attention's and the KV cache's (one value: models.text_head_dim)
+    max_position_embeddings: int
+    spatial_merge_size: int
+    tokens_per_second: float | None
+    image_token_id: int
+    video_token_id: int
+    vocab_size: int
+    hidden_size: int
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelShape:
+        text = getattr(hf, "text_config", None) or hf
+        vision = hf.vision_config
+        return cls(
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=text.num_key_value_heads,
+            head_dim=text_head_dim(text),
+            max_position_embeddings=text.max_position_embeddings,
+            spatial_merge_size=vision.spatial_merge_size,
+            tokens_per_second=getattr(vision, "tokens_per_second", None),
+            image_token_id=hf.image_token_id,
+            video_token_id=hf.video_token_id,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+        )
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> torch.dtype:
+    """The dtype knob for this device (``auto``: fp32 on the CPU, the checkpoint's on CUDA)."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU bf16 matmuls are slow and the oracle runs fp32
+        if isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype != torch.float32:
+            return checkpoint_dtype
+        return torch.bfloat16
+    try:
+        return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+
+
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    """The knob, or the checkpoint's positions capped at 8192 (CPU-friendly default)."""
+    return config.max_model_len or min(max_position_embeddings, 8192)
+
+
+def check_batch_budget(config: EngineConfig, max_model_len: int) -> None:
+    """Without chunked prefill a whole prompt must fit one step (ValueError otherwise)."""
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"with chunked prefill disabled, max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
+
+
+def kv_block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype,
+                   num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block: every layer, K and V, ``num_kv_heads`` heads (default all)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * shape.num_layers * block_size * heads * shape.head_dim * elem
+
+
+def num_kv_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
+                  device: torch.device, tp_size: int = 1) -> int:
+    """KV blocks of one engine: ``num_kv_blocks``, else what the memory budget holds.
+
+    A block of a tensor-parallel group is split over its ranks by KV heads (replicated when
+    heads are fewer than ranks). On CUDA each rank's device has its own budget; on the CPU
+    the ranks share the host, so kv_cache_memory is the whole group's."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    from triptych.models.tp_plan import local_kv_heads
+
+    per_block = kv_block_bytes(shape, config.block_size, dtype,
+                               local_kv_heads(shape.num_kv_heads, tp_size))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
+    else:
+        budget = parse_size(config.kv_cache_memory)
+        per_block *= tp_size
+    n = budget // per_block
+    if n < 2:
+        raise ValueError(f"KV cache budget {budget} bytes holds no blocks ({per_block} bytes "
+                         "each): raise kv_cache_memory or gpu_memory_utilization")
+    return int(n)
