@@ -77,12 +77,12 @@ def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int,
                    threads: int | None = None) -> float:
     """Median wall time of a decode step of ``batch`` requests (64-token prompts)."""
     from triptych.config import EngineConfig
-    from triptych.engine.engine_core import EngineCore
     from triptych.engine.sampling_params import SamplingParams
+    from triptych.parallel.loader import load_engine_core
 
     cores = torch.get_num_threads()
     torch.set_num_threads(threads or cores)
-    core = EngineCore(EngineConfig(model=model_dir, tensor_parallel_size=tp,
+    core = load_engine_core(EngineConfig(model=model_dir, tensor_parallel_size=tp,
                                    kv_cache_memory="512MiB", max_model_len=1024))
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
