@@ -38,6 +38,7 @@ class WorkerRegistry:
 
     def add_local(self, pool: str, index: int, config: dict[str, Any],
                   num_threads: int) -> WorkerHandle:
+        """A worker the supervisor starts (and restarts: the handle stays)."""
         return self._add(WorkerHandle(pool, index, config, num_threads))
 
     def _add(self, w: WorkerHandle) -> WorkerHandle:
@@ -93,9 +94,11 @@ class WorkerRegistry:
                 w.state = "stopped"
 
     def pool(self, pool: str) -> list[WorkerHandle]:
+        """Every worker of ``pool``, alive or not."""
         return [w for w in self.workers if w.pool == pool]
 
     def live(self, pool: str) -> list[WorkerHandle]:
+        """The workers of ``pool`` that are up."""
         return [w for w in self.workers if w.pool == pool and w.up]
 
     def choose(self, pool: str, hashes: list[bytes]) -> WorkerHandle:

@@ -68,12 +68,14 @@ class Attempt:
                                   if w is not None))
 
     def charge(self, w: WorkerHandle, work: int) -> None:
+        """Count ``work`` as queued on ``w`` until the attempt is done with it."""
         if self.ended:  # NOTE: a run that went on after its attempt ended charges nothing
             return
         w.load += work
         self.charges.append((w, work))
 
     def uncharge(self, only: WorkerHandle | None = None) -> None:
+        """Take back what was charged (to ``only``, or to every worker)."""
         keep = []
         for w, n in self.charges:
             if only is None or w is only:
@@ -106,6 +108,7 @@ class RequestTable:
         self.attempts: dict[str, Attempt] = {}
 
     def add(self, request: ClientRequest, children: list[Child]) -> None:
+        """A new client request and its children (no attempt yet)."""
         request.children = children
         self.requests[request.request_id] = request
         for c in children:
@@ -118,6 +121,7 @@ class RequestTable:
         self.requests.pop(request.request_id, None)
 
     def start_attempt(self, c: Child) -> Attempt:
+        """The child's next attempt, now its current one (after the last one ended)."""
         a = Attempt(c, c.num_attempts)
         c.num_attempts += 1
         c.attempt = a
@@ -132,6 +136,7 @@ class RequestTable:
         return a.release(self._unpin)
 
     def live(self, core_id: str) -> Attempt | None:
+        """The live attempt a worker's message names, else None (ended, or never ours)."""
         return self.attempts.get(core_id)
 
     def on(self, w: WorkerHandle) -> list[Attempt]:

@@ -70,9 +70,11 @@ class RouterSockets:
             return False
 
     async def send(self, worker: WorkerHandle, msg: msgspec.Struct) -> bool:
+        """Send one message without tensors (see ``send_frames``)."""
         return await self.send_frames(worker, wire.encode(msg))
 
     def close(self) -> None:
+        """Close both sockets and the context (nothing queued is sent)."""
         self.local.close(0)
         if self.remote is not None:
             self.remote.close(0)
