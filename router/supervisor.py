@@ -23,13 +23,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 from triptych.connector.segments import pid_alive
-from triptych.worker.threads import thread_env
+from triptych.router.handle import WorkerHandle
 from triptych.worker.loop import WorkerSpec
+from triptych.worker.threads import thread_env
 
 logger = logging.getLogger("triptych.supervisor")
 WATCH_INTERVAL_S = 0.2
@@ -38,41 +37,6 @@ RUN_DIR_PREFIX = "triptych-"
 _RUN_DIR_RE = re.compile(r"^triptych-(\d+)-")
 POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decode.worker",
                 "prefill": "triptych.prefill.worker", "encode": "triptych.encode.worker"}
-
-
-@dataclass(eq=False)
-class Worker:
-    """One worker slot of a pool; its process changes with every restart (incarnation)."""
-
-    pool: str
-    index: int
-    config: dict[str, Any]  # EngineConfig keyword arguments for this worker
-    num_threads: int = 1
-    incarnation: int = 0
-    proc: subprocess.Popen | None = None
-    state: str = "starting"  # starting | up | dead | stopped
-    restarts: int = 0
-    started_at: float = 0.0
-    restart_at: float = 0.0
-    failures: int = 0  # consecutive short-lived incarnations (for the backoff)
-    info: dict[str, Any] = field(default_factory=dict)  # what its Hello said
-    stats: dict[str, float] = field(default_factory=dict)  # its latest WorkerStats
-    served: int = 0  # requests it finished (for /health)
-    remote: str | None = None  # a worker on another host: its identity (name#tag); not ours
-    # to start or restart, alive while its heartbeats (stats) come
-    last_seen: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.remote.partition("#")[0] if self.remote else f"{self.pool}-{self.index}"
-
-    @property
-    def identity(self) -> str:
-        return self.remote or f"{self.name}#{self.incarnation}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else self.info.get("pid")
 
 
 def clean_stale(tmp: str | None = None) -> list[str]:
@@ -95,16 +59,16 @@ def make_run_dir() -> str:
 
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
-                 on_exit: Callable[[Worker, int], None], shm_ring: str | None = None) -> None:
+                 on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None) -> None:
         self.router_address = router_address
         self.shm_ring = shm_ring  # P0's shared-memory processor cache, if any
         self.eos_token_id = eos_token_id
         self.on_exit = on_exit
-        self.workers: list[Worker] = []
+        self.workers: list[WorkerHandle] = []
         self.restarts_total = 0
         self._stopping = False
 
-    def spawn(self, w: Worker) -> None:
+    def spawn(self, w: WorkerHandle) -> None:
         """Start (or restart) a worker's process. Call from the event loop's thread: the
         kernel's parent-death signal follows the thread that started the child."""
         if w not in self.workers:
@@ -136,10 +100,10 @@ class Supervisor:
                     code = w.proc.returncode
                     w.state = "dead"
                     w.failures = 0 if now - w.started_at > STABLE_S else w.failures + 1
-                    w.restart_at = now + min(BACKOFF_MAX_S,
-                                             BACKOFF_MIN_S * 2 ** max(w.failures - 1, 0))
+                    w.backoff_s = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** max(w.failures - 1, 0))
+                    w.restart_at = now + w.backoff_s
                     logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
-                                 w.identity, w.pid, code, w.restart_at - now)
+                                 w.identity, w.pid, code, w.backoff_s)
                     self.on_exit(w, code)
                 elif w.state == "dead" and w.remote is None and not self._stopping \
                         and now >= w.restart_at:

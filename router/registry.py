@@ -1,0 +1,115 @@
+"""WorkerRegistry: the router's workers, local and remote, by name; which one takes work.
+
+Local workers are registered once at start (the supervisor restarts their processes; the
+handle stays). A worker on another host registers itself with a Hello on the CURVE socket:
+the first Hello of a node adds its handle; a Hello from a new incarnation of a known node
+(it restarted) ends what the old one was running. Remote workers are not ours to restart:
+one silent for REMOTE_TIMEOUT_S is taken for dead.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from triptych.router.errors import EngineDeadError
+from triptych.router.handle import WorkerHandle
+from triptych.router.layout import Layout
+from triptych.router.routing import pick
+from triptych.worker import wire
+
+logger = logging.getLogger("triptych.router")
+REMOTE_TIMEOUT_S = 10.0  # a worker on another host silent this long is taken for dead (its
+# heartbeat is its stats, every 0.25 s; a step bounded by max_num_batched_tokens is shorter)
+
+
+class WorkerRegistry:
+    def __init__(self, layout: Layout, block_size: int,
+                 on_exit: Callable[[WorkerHandle, int], None]) -> None:
+        """``on_exit(handle, code)``: a worker died (here: a remote one, or a restarted
+        node's old incarnation); the supervisor reports local deaths the same way."""
+        self.layout = layout
+        self.block_size = block_size
+        self.on_exit = on_exit
+        self.workers: list[WorkerHandle] = []  # in registration order (/health)
+        self._by_name: dict[str, WorkerHandle] = {}
+
+    def add_local(self, pool: str, index: int, config: dict[str, Any],
+                  num_threads: int) -> WorkerHandle:
+        """A worker the supervisor starts (and restarts: the handle stays)."""
+        return self._add(WorkerHandle(pool, index, config, num_threads))
+
+    def _add(self, w: WorkerHandle) -> WorkerHandle:
+        self.workers.append(w)
+        self._by_name[w.name] = w
+        return w
+
+    def current(self, ident: str, remote: bool) -> WorkerHandle | None:
+        """The worker whose current incarnation is ``ident`` on that socket, else None (an
+        old incarnation's late message, or not one of ours)."""
+        w = self._by_name.get(ident.partition("#")[0])
+        if w is None or w.identity != ident or (w.remote is not None) != remote:
+            return None
+        return w
+
+    def register_remote(self, ident: str, msg: wire.Hello) -> WorkerHandle | None:
+        """A Hello on the remote socket (its sender's key already checked against the
+        name it claims)."""
+        if msg.pool not in self.layout.pools or msg.worker_id != ident:
+            logger.warning("refused %s: pool %r is not in this layout (%s)", ident, msg.pool,
+                           self.layout)
+            return None
+        w = self._by_name.get(ident.partition("#")[0])
+        if w is None or w.remote is None:
+            index = sum(1 for x in self.workers if x.pool == msg.pool)
+            w = self._add(WorkerHandle(msg.pool, index, {}, remote=ident))
+        elif w.remote != ident:  # the same node, restarted: its old requests are gone
+            if w.up:
+                self.on_exit(w, -1)
+            w.remote = ident
+            w.restarts += 1
+        if not w.up:
+            logger.info("%s (another host, pool %s) registered", ident, msg.pool)
+        w.state = "up"
+        return w
+
+    async def watch_remote(self) -> None:
+        """Take a silent remote worker for dead. Runs until cancelled."""
+        while True:
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.remote and w.up and now - w.last_seen > REMOTE_TIMEOUT_S:
+                    w.state = "dead"
+                    logger.error("%s (another host) sent nothing for %.0f s; taken for dead",
+                                 w.name, REMOTE_TIMEOUT_S)
+                    self.on_exit(w, -1)
+            await asyncio.sleep(0.5)
+
+    def stop_remote(self) -> None:
+        """The router stops: remote workers are no longer served (theirs to stop)."""
+        for w in self.workers:
+            if w.remote:
+                w.state = "stopped"
+
+    def pool(self, pool: str) -> list[WorkerHandle]:
+        """Every worker of ``pool``, alive or not."""
+        return [w for w in self.workers if w.pool == pool]
+
+    def live(self, pool: str) -> list[WorkerHandle]:
+        """The workers of ``pool`` that are up."""
+        return [w for w in self.workers if w.pool == pool and w.up]
+
+    def choose(self, pool: str, hashes: list[bytes]) -> WorkerHandle:
+        """The live worker of ``pool`` with the least work once this prompt (its block
+        ``hashes``) is added (router/routing.py); a prompt-holding pool records it there."""
+        live = self.live(pool)
+        if not live:
+            raise EngineDeadError(f"no live worker in the {pool} pool (restarting); retry "
+                                  "shortly")
+        w = pick(live, [w.load for w in live],
+                 [w.prefix.match(hashes) * self.block_size for w in live])
+        if pool != "encode":
+            w.record_prompt(hashes)
+        return w
