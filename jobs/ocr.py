@@ -138,6 +138,8 @@ async def run_ocr(args: argparse.Namespace, docs: list[Document], prompt: str
             summary[d] = {"document": str(d.path), "status": "skipped"}
         else:
             todo.append(d)
+    if not todo:  # (nothing to do: do not start an engine for it)
+        return [summary[d] for d in docs]
     progress = Progress(0, "page", "ocr", disable=args.no_progress)
     raster = Rasterizer()
     writers: dict[Document, DocWriter] = {}
