@@ -125,7 +125,8 @@ async def pages(docs: list[Document], raster: Rasterizer, dpi: float | None,
             yield PageJob(doc, 1, data, mime, w, h)
             continue
         try:
-            handle, n = await raster.open(str(doc.path))
+            handle = await raster.open(str(doc.path))
+            n = handle.num_pages
         except DocumentError as e:
             doc.error = str(e)
             yield PageJob(doc, 0, error=doc.error)
