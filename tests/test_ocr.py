@@ -233,3 +233,33 @@ def test_memory_stays_flat_over_a_long_pdf(tmp_path: Path) -> None:
     n_long, long_growth = _peak_growth(long)
     assert (n_short, n_long) == (10, 200)
     assert long_growth < short_growth + 8 * 2**20, (short_growth, long_growth)
+
+
+def test_writers_number_pages_and_publish_only_finished_documents(tmp_path: Path) -> None:
+    from triptych.jobs.ocr_output import DocWriter, PageResult, finished
+
+    w = DocWriter(str(tmp_path), "sub/doc.pdf", "text", "doc.pdf")
+    w.page(1, 2, PageResult(text="first\n"))
+    w.page(2, 2, PageResult(error="HTTP 400: too big"))
+    assert not finished(str(tmp_path), "sub/doc.pdf", "text")
+    assert w.finish() == str(tmp_path / "sub" / "doc.pdf.txt")
+    assert (tmp_path / "sub" / "doc.pdf.txt").read_text() == (
+        "=== page 1/2 ===\nfirst\n\n=== page 2/2 (failed: HTTP 400: too big) ===\n\n")
+    assert finished(str(tmp_path), "sub/doc.pdf", "text")
+    w = DocWriter(str(tmp_path), "gone.pdf", "markdown", "gone.pdf")
+    w.page(1, 3, PageResult(text="x"))
+    w.discard()
+    assert list(tmp_path.iterdir()) == [tmp_path / "sub"]
+
+
+def test_help_names_every_flag_with_its_default() -> None:
+    r = subprocess.run([sys.executable, "-m", "triptych", "ocr", "--help"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    for text in ("--output-dir", "--format", "(default: markdown)", "--dpi",
+                 "(default: 150.0)", "--target-longest-dim", "--max-page-retries",
+                 "(default: 3)", "--max-page-error-rate", "(default: 0.004)", "--prompt-file",
+                 "--max-tokens", "(default: 2048)", "--resume", "--server",
+                 "--encode-workers"):
+        assert text in r.stdout, text
