@@ -129,6 +129,18 @@ def test_server_mode_answers_as_in_process_through_stdin_and_stdout(
     assert [comparable(x) for x in remote] == [comparable(x) for x in in_process]
 
 
+def test_layout_flags_reach_the_engine_and_answer_alike(in_process: list[dict],
+                                                         tiny_qwen2_vl: str, tmp_path: Path
+                                                         ) -> None:
+    out = tmp_path / "out.jsonl"
+    r = run_cli("-i", str(write_lines(tmp_path / "in.jsonl", MIXED)), "-o", str(out),
+                "--model", tiny_qwen2_vl, "--encode-workers", "1", "--prefill-workers", "1",
+                "--decode-workers", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "router listening (1e1p1d)" in r.stderr  # an E+P+D layout ran it
+    assert [comparable(x) for x in read_results(out)] == [comparable(x) for x in in_process]
+
+
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = TIMEOUT
                     ) -> None:
     deadline = time.monotonic() + timeout
