@@ -53,6 +53,11 @@ async def ordered_map(items: AsyncIterable[T], fn: Callable[[T], Awaitable[R]],
         for _, t in pending:
             t.cancel()
         await asyncio.gather(*(t for _, t in pending), return_exceptions=True)
+        # Close the source now, while what its own cleanup needs (a PDF reader's thread)
+        # still exists, rather than whenever the loop finalizes it.
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
 
 
 __all__ = ["ordered_map"]

@@ -54,6 +54,13 @@ class DocWriter:
     def page(self, number: int, total: int, r: PageResult, width: int = 0, height: int = 0
              ) -> None:
         """Append page ``number`` of ``total`` (pages come in order)."""
+        try:
+            self._write(number, total, r, width, height)
+        finally:
+            self._f.flush()  # (a long document's progress can be watched in its .partial)
+
+    def _write(self, number: int, total: int, r: PageResult, width: int, height: int
+               ) -> None:
         if self.fmt == "jsonl":
             row: dict[str, Any] = {
                 "document": self.source, "page": number, "pages": total, "text": r.text,

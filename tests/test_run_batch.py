@@ -243,6 +243,31 @@ def test_ordered_map_keeps_order_and_bounds() -> None:
     assert state["peak"] <= 3 and state["max_held"] <= 7
 
 
+def test_ordered_map_closes_its_source_when_stopped_early() -> None:
+    closed = []
+
+    async def source():
+        try:
+            for i in range(100):
+                yield i
+        finally:
+            closed.append(True)
+
+    async def work(i: int) -> int:
+        await asyncio.sleep(0)
+        return i
+
+    async def main() -> None:
+        gen = ordered_map(source(), work, concurrency=2)
+        async for i, _ in gen:
+            if i == 3:
+                break
+        await gen.aclose()
+        assert closed == [True]  # at once, not when the loop finalizes it
+
+    asyncio.run(main())
+
+
 def test_help_names_every_flag_with_its_default() -> None:
     r = subprocess.run([sys.executable, "-m", "triptych", "run-batch", "--help"],
                        capture_output=True, text=True, timeout=120,
