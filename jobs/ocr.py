@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
                     "document in OUT, pages in order. See docs/jobs.md.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files, PDFs, folders")
     o = p.add_argument_group("output")
-    o.add_argument("-o", "--output-dir", required=True, help="folder for the results")
+    o.add_argument("-o", "--output-dir", required=True, help="folder for the results (required)")
     o.add_argument("--format", choices=sorted(EXTENSIONS), default="markdown",
                    help="markdown or text (page-numbered), or jsonl (one object per page "
                         "with tokens, timings and errors)")

@@ -47,9 +47,9 @@ def add_parser(subparsers: Any) -> None:
                     "input order (vLLM's run-batch format). See docs/jobs.md.")
     io_ = p.add_argument_group("batch")
     io_.add_argument("-i", "--input-file", required=True,
-                     help="batch file (JSONL); '-' reads stdin")
+                     help="batch file (JSONL); '-' reads stdin (required)")
     io_.add_argument("-o", "--output-file", required=True,
-                     help="results file (JSONL); '-' writes stdout")
+                     help="results file (JSONL); '-' writes stdout (required)")
     io_.add_argument("--max-concurrency", type=int, default=64,
                      help="requests in flight at once")
     io_.add_argument("--resume", action="store_true",
