@@ -141,4 +141,5 @@ class Rasterizer:
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["DocumentError", "PageImage", "PdfReader", "Rasterizer", "iter_pages", "open_pdf", "render_page"]
+__all__ = ["DocumentError", "PageImage", "PdfReader", "Rasterizer", "iter_pages", "open_pdf",
+           "render_page"]
