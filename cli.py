@@ -27,6 +27,8 @@ SUBCOMMANDS = {
     "bench": ("triptych.bench.throughput", "benchmarks: offline throughput vs HF, serving load"),
     "keys": ("triptych.connector.keys_cmd", "make CURVE keypairs for pool workers across hosts"),
     "worker": ("triptych.worker.remote_cmd", "a pool worker on another host (joins a router)"),
+    "run-batch": ("triptych.jobs.run_batch", "run an OpenAI batch file (JSONL) through the engine"),
+    "ocr": ("triptych.jobs.ocr", "transcribe images, folders and PDFs page by page"),
 }
 
 _HELP_SKIP = {"model"}

@@ -1,0 +1,171 @@
+"""Where a job's requests go: the server's own FastAPI app in this process, or a running
+server at ``--server URL``.
+
+Why the app and not the offline ``LLM``: a batch line is an HTTP request body, and its
+answer must be what ``triptych serve`` would answer, error objects included. Driving the
+same app (``api/server.py``: schema, checks, media, processor, Router, response format)
+through httpx's ASGI transport gives exactly that with no second copy of the request
+handling, and it makes the in-process mode and ``--server`` one code path that differs only
+in the transport. The engine behind the app is serve's: the Router and its worker
+processes for whatever layout the engine flags describe.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+RETRIES_ON_OVERLOAD = 8  # 503 + Retry-After (the admission queue is full): wait, send again
+
+
+@dataclass
+class Reply:
+    """One HTTP answer: status, parsed JSON body (None if it was not JSON) and the server's
+    ``x-request-id``."""
+
+    status: int
+    body: Any
+    request_id: str | None
+
+
+class Backend:
+    """An OpenAI server reached through ``client`` (an httpx.AsyncClient)."""
+
+    def __init__(self, client: httpx.AsyncClient, served_model: str) -> None:
+        self.client, self.served_model = client, served_model
+
+    async def post(self, path: str, body: dict[str, Any]) -> Reply:
+        """POST ``body`` as JSON to ``path``; an overloaded server (503 with Retry-After) is
+        waited for and asked again, a bounded number of times."""
+        for attempt in range(RETRIES_ON_OVERLOAD + 1):
+            r = await self.client.post(path, json=body)
+            if r.status_code == 503 and "retry-after" in r.headers \
+                    and attempt < RETRIES_ON_OVERLOAD:
+                await asyncio.sleep(min(float(r.headers["retry-after"] or 1), 5.0)
+                                    * (attempt + 1))
+                continue
+            try:
+                data = r.json()
+            except ValueError:
+                data = None
+            return Reply(r.status_code, data, r.headers.get("x-request-id"))
+        raise AssertionError("unreachable")
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """``--server`` and ``--request-timeout``, plus every engine / layout flag of ``serve``
+    (used when no ``--server`` is given)."""
+    from triptych.cli import add_engine_args
+
+    g = p.add_argument_group("where requests go")
+    g.add_argument("--server", default=None, metavar="URL",
+                   help="send the requests to this running triptych (or any OpenAI-compatible) "
+                        "server, e.g. http://127.0.0.1:8000; unset: run serve's app and engine "
+                        "in this process, configured by the engine flags below")
+    g.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds one request may take (--server mode)")
+    add_engine_args(p, model_required=False, model_help=(
+        "checkpoint directory or Hugging Face hub id for the in-process engine (unset: the "
+        "tiny random demo checkpoint, as `triptych serve`); ignored with --server"))
+
+
+def _serve_defaults() -> argparse.Namespace:
+    """``triptych serve``'s defaults for every server-side limit (media caps, max n, ...),
+    read from serve's own parser so the in-process app is configured as a default server."""
+    from triptych.api import serve_cmd
+    from triptych.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="triptych")
+    serve_cmd.add_parser(parser.add_subparsers(dest="command", parser_class=ArgumentParser))
+    return parser.parse_args(["serve"])
+
+
+@contextlib.asynccontextmanager
+async def _in_process(args: argparse.Namespace, max_pending: int) -> AsyncIterator[Backend]:
+    from transformers import AutoConfig
+    from triptych.api.media.decode import MediaLimits
+    from triptych.api.processor import InputProcessor
+    from triptych.api.request_checks import ServerLimits
+    from triptych.api.serve_cmd import _video_caps
+    from triptych.api.server import AppConfig, build_app
+    from triptych.cli import engine_config_from_args, resolve_model
+    from triptych.engine.engine_core import resolve_max_model_len
+    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+    from triptych.router.router import Router
+
+    model = resolve_model(args.model) if args.model else None
+    if model is None:
+        from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
+        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+    config = engine_config_from_args(args, model=model)
+    name = args.model if args.model and not os.path.isdir(os.path.expanduser(args.model)) \
+        else os.path.basename(os.path.normpath(model))
+    s = _serve_defaults()
+    frames, fps = _video_caps(s)
+    hf = AutoConfig.from_pretrained(model, local_files_only=True)
+    text = getattr(hf, "text_config", hf)
+    max_len = resolve_max_model_len(config, text.max_position_embeddings)
+    media = MediaLimits(
+        max_image_bytes=s.max_media_bytes, max_video_bytes=s.max_media_bytes,
+        max_image_pixels=s.max_image_pixels, max_video_pixels=s.max_video_pixels,
+        max_request_pixels=s.max_request_pixels, video_fps=fps, max_video_frames=frames,
+        max_video_seconds=s.max_video_seconds, fetch_timeout_s=s.media_fetch_timeout,
+        allowed_local_media_path=config.allowed_local_media_path)
+    limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=s.max_n,
+                          max_prompt_chars=s.max_prompt_chars, max_prompts=max_pending,
+                          limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media)
+    app_config = AppConfig(served_model=name, limits=limits, model_root=args.model or model,
+                           max_pending=max_pending, max_body_bytes=s.max_request_bytes,
+                           max_media_fetches=s.max_concurrent_media_fetches,
+                           block_size=config.block_size,
+                           enable_prefix_caching=config.enable_prefix_caching)
+    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
+    processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
+                               media_limits=media, max_model_len=max_len,
+                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+    router = Router(config, processor.tokenizer, processor=processor)
+    try:
+        await router.start()
+        app = build_app(router, processor, app_config)
+        # raise_app_exceptions=False: the app answers its own failures with a 500 body, as
+        # it would over a socket; the job records it for that line and goes on.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://in-process",
+                                     timeout=None) as client:
+            yield Backend(client, name)
+    finally:
+        await router.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def _remote(url: str, timeout: float) -> AsyncIterator[Backend]:
+    from triptych.cli import fail
+
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(
+            timeout, connect=10.0)) as client:
+        try:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            name = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            fail(f"--server {url}: no OpenAI server answers GET /v1/models there "
+                 f"({type(e).__name__})")
+        yield Backend(client, name)
+
+
+def open_backend(args: argparse.Namespace, max_pending: int
+                 ) -> contextlib.AbstractAsyncContextManager[Backend]:
+    """The backend the flags ask for. ``max_pending``: the in-process app's admission bound
+    (engine requests at once; the job's own concurrency bound sits below it)."""
+    if args.server:
+        return _remote(args.server, args.request_timeout)
+    return _in_process(args, max(256, max_pending))
+
+
+__all__ = ["Backend", "Reply", "add_backend_args", "open_backend"]

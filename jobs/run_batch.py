@@ -1,0 +1,241 @@
+"""`triptych run-batch`: OpenAI's batch file format, one result line per request line.
+
+Input lines: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}``. Output lines (vLLM's run-batch shape):
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error"}``.
+A line that cannot be sent (not JSON, unknown url, duplicated ``custom_id``, ...) gets an
+error line with ``response: null``; one the server refuses gets ``response.status_code``
+and the server's error object. Nothing on one line stops the others.
+
+The input is streamed and results are written in input order as they finish (a bounded
+window, jobs/driver.py), each line flushed whole, so a rerun with ``--resume`` after a
+crash or Ctrl-C finds a prefix of the results and goes on from there (jobs/ledger.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import httpx
+from triptych.jobs.backend import Backend, add_backend_args, open_backend
+from triptych.jobs.driver import ordered_map
+from triptych.jobs.ledger import Ledger, key_of, recover
+from triptych.jobs.progress import Progress
+
+logger = logging.getLogger("triptych.jobs")
+URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+class ServerGone(RuntimeError):
+    """The server cannot be reached at all: not one line's fault, so the run stops (and a
+    rerun with --resume goes on) instead of writing an error for every remaining line."""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) through the engine",
+        description="Run every request of an OpenAI batch file (JSONL lines with custom_id, "
+                    "method, url, body) and write one result line per request line, in "
+                    "input order (vLLM's run-batch format). See docs/jobs.md.")
+    io_ = p.add_argument_group("batch")
+    io_.add_argument("-i", "--input-file", required=True,
+                     help="batch file (JSONL); '-' reads stdin (required)")
+    io_.add_argument("-o", "--output-file", required=True,
+                     help="results file (JSONL); '-' writes stdout (required)")
+    io_.add_argument("--max-concurrency", type=int, default=64,
+                     help="requests in flight at once")
+    io_.add_argument("--resume", action="store_true",
+                     help="keep the results already in the output file, skip their "
+                          "custom_ids and append the rest (a half-written last line is "
+                          "removed); without it the output file is overwritten")
+    io_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_backend_args(p)
+
+
+@dataclass
+class Line:
+    """One input line: its number, and either a request to send or an error to write."""
+
+    number: int
+    custom_id: Any = None
+    url: str = ""
+    body: dict | None = None
+    error: dict | None = None
+
+
+def _error(message: str, param: str | None = None, type_: str = "invalid_request_error",
+           code: int | None = 400) -> dict:
+    return {"message": message, "type": type_, "param": param, "code": code}
+
+
+def parse_line(number: int, raw: str) -> Line:
+    """A request line checked for everything that can be checked without the server."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return Line(number, error=_error(f"line {number}: not valid JSON"))
+    if not isinstance(data, dict):
+        return Line(number, error=_error(f"line {number}: a request line is a JSON object"))
+    line = Line(number, custom_id=data.get("custom_id"))
+    if not isinstance(line.custom_id, str) or not line.custom_id:
+        line.error = _error(f"line {number}: custom_id must be a non-empty string",
+                            "custom_id")
+    elif str(data.get("method", "POST")).upper() != "POST":
+        line.error = _error(f"line {number}: method must be POST", "method")
+    elif data.get("url") not in URLS:
+        line.error = _error(f"line {number}: url must be one of {', '.join(URLS)}", "url")
+    elif not isinstance(data.get("body"), dict):
+        line.error = _error(f"line {number}: body must be a JSON object", "body")
+    elif data["body"].get("stream"):
+        line.error = _error(f"line {number}: streaming is not supported in a batch",
+                            "body.stream")
+    else:
+        line.url, line.body = data["url"], data["body"]
+    return line
+
+
+def result_line(custom_id: Any, status: int | None = None, request_id: str | None = None,
+                body: Any = None, error: dict | None = None) -> dict:
+    """An output line; ``status`` None: the request was never sent (``response`` null)."""
+    response = None if status is None else {
+        "status_code": status, "request_id": request_id, "body": body if error is None else None}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": response, "error": error}
+
+
+async def send(backend: Backend, line: Line) -> dict:
+    """The result line of one request line (never raises, except ServerGone)."""
+    if line.error is not None:
+        return result_line(line.custom_id, error=line.error)
+    body = dict(line.body or {})
+    if not body.get("model"):  # vLLM's server too answers a body without model
+        body["model"] = backend.served_model
+    try:
+        r = await backend.post(line.url, body)
+    except httpx.TimeoutException:
+        return result_line(line.custom_id, error=_error(
+            "the request timed out (--request-timeout)", type_="server_error", code=None))
+    except httpx.TransportError as e:
+        raise ServerGone(f"the server cannot be reached ({type(e).__name__}: {e})") from e
+    if 200 <= r.status < 300 and isinstance(r.body, dict):
+        return result_line(line.custom_id, r.status, r.request_id, r.body)
+    err = r.body.get("error") if isinstance(r.body, dict) else None
+    if not isinstance(err, dict):
+        err = _error(f"HTTP {r.status}", type_="server_error", code=r.status)
+    return result_line(line.custom_id, r.status, r.request_id, error=err)
+
+
+async def read_lines(f: IO[str]) -> AsyncIterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line, read off the event loop (stdin may
+    block; the engine's router shares this loop)."""
+    number = 0
+    while True:
+        raw = await asyncio.to_thread(f.readline)
+        if not raw:
+            return
+        number += 1
+        if raw.strip():
+            yield number, raw
+
+
+def _count_requests(path: str) -> int | None:
+    """Non-blank lines of a regular file (the bar's total, for an ETA); None for stdin."""
+    if path == "-" or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+async def run_batch(args: argparse.Namespace, src: IO[str], out: IO[str], ledger: Ledger
+                    ) -> dict[str, int]:
+    """Stream ``src`` through the backend into ``out``; returns counts of what happened."""
+    counts = {"ok": 0, "errors": 0, "skipped": 0}
+    seen: dict[Any, int] = {}  # custom_id -> first line (duplicates are refused)
+    total = _count_requests(args.input_file)
+    progress = Progress(total, "req", "run-batch", initial=min(ledger.total, total or 0),
+                        disable=args.no_progress)
+
+    async def lines() -> AsyncIterator[Line]:
+        async for number, raw in read_lines(src):
+            line = parse_line(number, raw)
+            cid = line.custom_id if isinstance(line.custom_id, str) else None
+            first = seen.get(cid) if cid is not None else None
+            if cid is not None and first is None:
+                seen[cid] = number
+            if ledger.skip(key_of(line.custom_id)):
+                counts["skipped"] += 1
+                continue
+            if line.error is None and first is not None:
+                line.error = _error(f"line {number}: custom_id {cid!r} was already used on "
+                                    f"line {first}", "custom_id")
+            yield line
+
+    async def one(line: Line) -> dict:
+        try:
+            result = await send(backend, line)
+        except ServerGone:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line's failure is that line's result
+            logger.exception("line %d failed", line.number)
+            result = result_line(line.custom_id, error=_error(
+                f"internal error: {type(e).__name__}", type_="server_error", code=500))
+        body = (result.get("response") or {}).get("body") or {}
+        progress.done(1, int((body.get("usage") or {}).get("completion_tokens") or 0))
+        return result
+
+    try:
+        async with open_backend(args, args.max_concurrency) as backend:
+            async for _, result in ordered_map(lines(), one, args.max_concurrency):
+                # One write per line, flushed: a kill leaves whole lines (and maybe a cut
+                # last one, which --resume removes).
+                out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                out.flush()
+                counts["errors" if result["error"] else "ok"] += 1
+    finally:
+        progress.close()
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    from triptych.cli import fail
+
+    if args.max_concurrency < 1:
+        fail("--max-concurrency must be at least 1")
+    if args.resume and args.output_file == "-":
+        fail("--resume needs an output file (not '-')")
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        fail(f"--input-file {args.input_file}: no such file")
+    if args.input_file != "-" and args.output_file != "-" and os.path.exists(args.output_file) \
+            and os.path.samefile(args.input_file, args.output_file):
+        fail("the output file is the input file")
+    ledger = Ledger(recover(args.output_file, lambda d: key_of(d.get("custom_id")))
+                    if args.resume else None)
+    if ledger.total:
+        logger.info("resuming: %d result lines already in %s", ledger.total, args.output_file)
+    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8",
+                                                       errors="replace")
+    out = sys.stdout if args.output_file == "-" else open(
+        args.output_file, "a" if args.resume else "w", encoding="utf-8")
+    try:
+        counts = asyncio.run(run_batch(args, src, out, ledger))
+    except ServerGone as e:
+        print(f"triptych: error: {e}; rerun with --resume to go on", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("triptych: interrupted; rerun with --resume to go on", file=sys.stderr)
+        return 130
+    finally:
+        for f in (src, out):
+            if f not in (sys.stdin, sys.stdout):
+                f.close()
+    logger.info("run-batch: %d ok, %d errors, %d already done", counts["ok"],
+                counts["errors"], counts["skipped"])
+    return 0
