@@ -3,11 +3,12 @@ spellings, --model checked in one line before anything starts (offline: no downl
 ever tried here), and `triptych chat` keeping log lines out of its answers."""
 from __future__ import annotations
 
-import argparse
+import http.server
 import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -81,14 +82,17 @@ def test_vllm_spellings_and_aliases():
     assert EngineConfig.from_kwargs(model="m", num_gpu_blocks_override=7).num_kv_blocks == 7
     with pytest.raises(TypeError):
         EngineConfig.from_kwargs(model="m", num_gpu_blocks_override=7, num_kv_blocks=7)
-    assert isinstance(p, argparse.ArgumentParser)
 
 
-def one_line_error(*argv: str, env: dict | None = None) -> str:
+def one_line_error(*argv: str, env: dict | None = None, logs: bool = False) -> str:
+    """The one error line (``logs``: after INFO lines such as "downloading ...")."""
     r = subprocess.run([sys.executable, "-m", "triptych", *argv], capture_output=True,
                        text=True, timeout=60, env=env or ENV, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
+    if logs:
+        assert all(" INFO " in line for line in lines[:-1]), r.stderr
+        lines = lines[-1:]
     assert len(lines) == 1 and lines[0].startswith("triptych: error:"), r.stderr
     return lines[0]
 
@@ -114,6 +118,87 @@ def test_hub_id_found_in_the_cache_needs_no_network(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60, env={**ENV, "HF_HOME": str(tmp_path / "hf")}, check=False)
     assert r.returncode == 0 and r.stdout.strip() == str(snap), r.stderr
+
+
+@pytest.fixture
+def fake_hub():
+    """A local stand-in for the Hugging Face hub that answers every request the way the
+    real one answers for a repository that does not exist (404, X-Error-Code: RepoNotFound)."""
+    class NoSuchRepo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoSuchRepo)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on return: connections are refused
+
+
+def test_unreachable_hub_is_not_a_missing_model(tmp_path):
+    # Network or not, a hub at a closed local port cannot be reached: huggingface_hub
+    # raises LocalEntryNotFoundError from the connection error.
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    line = one_line_error("serve", "--model", "Qwen/Qwen2-VL-2B-Instruct", env=env, logs=True)
+    assert "hub cannot be reached" in line and "no such model" not in line, line
+    assert "hf download Qwen/Qwen2-VL-2B-Instruct" in line
+
+
+def test_missing_model_on_a_reachable_hub(tmp_path, fake_hub):
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=fake_hub)
+    line = one_line_error("serve", "--model", "nobody/no-such-model", env=env, logs=True)
+    assert "hub has no such model" in line and "cannot be reached" not in line, line
+
+
+def test_hub_errors_are_classified_by_what_the_hub_said():
+    import httpx2
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from triptych.cli import hub_says_no_such_model
+
+    def answered(cls: type, status: int) -> Exception:
+        req = httpx2.Request("GET", "https://huggingface.co/api/models/a/b")
+        return cls("hub said so", response=httpx2.Response(status, request=req))
+
+    def raised_from(outer: Exception, inner: BaseException) -> Exception:
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise outer from e
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    offline = raised_from(LocalEntryNotFoundError("cannot find the snapshot folder"),
+                          httpx2.ConnectError("Name or service not known"))
+    assert not hub_says_no_such_model(offline)
+    assert not hub_says_no_such_model(LocalEntryNotFoundError("not in the cache"))
+    assert not hub_says_no_such_model(TimeoutError("read timed out"))
+    for cls, status in ((RepositoryNotFoundError, 404), (GatedRepoError, 403),
+                        (RevisionNotFoundError, 404)):
+        assert hub_says_no_such_model(answered(cls, status))
+        assert hub_says_no_such_model(raised_from(RuntimeError("wrapped"),
+                                                  answered(cls, status)))
 
 
 def test_chat_keeps_logs_out_of_answers(tiny_qwen2_vl, tmp_path):
