@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -215,3 +216,80 @@ def test_chat_keeps_logs_out_of_answers(tiny_qwen2_vl, tmp_path):
     assert "assistant> " in out and "(new conversation)" in out
     assert not re.search(r"INFO|WARNING|running \d+, waiting", out)
     assert not re.search(r"running \d+, waiting", r.stderr)  # no stats lines at all
+
+
+class Chat:
+    """`triptych chat` in a subprocess: lines in on stdin, stdout read as it comes."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        import queue
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "triptych", "chat", "--model", model, "--block-size", "4",
+             *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=ENV)
+        self.out = ""
+        self._chunks: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        while chunk := self.proc.stdout.read(1):
+            self._chunks.put(chunk)
+        self._chunks.put("")
+
+    def until(self, text: str, timeout: float = 120) -> None:
+        """Read until ``text`` has appeared (a hang guard, not a speed claim)."""
+        import queue
+        start = len(self.out)
+        while text not in self.out[start:]:
+            try:
+                chunk = self._chunks.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} in {self.out[-2000:]!r}") from None
+            assert chunk, f"chat ended before {text!r}: {self.out[-2000:]!r}"
+            self.out += chunk
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+        return code, self.proc.stderr.read()
+
+
+def test_chat_commands_are_not_messages(tiny_qwen2_vl):
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "2", "--max-model-len", "256")
+    chat.until("you> ")
+    chat.send("/help")
+    chat.until("you> ")
+    assert "/quit" in chat.out.split("you> ")[1]  # the help text, not an answer
+    chat.send("/nonsense")
+    chat.until("you> ")
+    chat.send("/quit")
+    code, err = chat.finish()
+    assert code == 0 and "Traceback" not in err, err
+    assert "assistant>" not in chat.out and "unknown command /nonsense" in chat.out
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "2", "--max-model-len", "256")
+    chat.until("you> ")
+    chat.send("/exit")
+    assert chat.finish()[0] == 0 and "assistant>" not in chat.out
+
+
+def test_chat_ctrl_c_stops_an_answer_then_quits_at_the_prompt(tiny_qwen2_vl):
+    # A long answer (the random model rarely ends by itself): Ctrl-C lands in the middle.
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "4000", "--max-model-len", "4096")
+    chat.until("you> ")
+    chat.send("Tell me a long story")
+    chat.until("assistant> ")  # printed once Ctrl-C means "stop this answer"
+    chat.proc.send_signal(signal.SIGINT)
+    chat.until("(answer stopped)")
+    chat.until("you> ")
+    chat.send("/help")  # the conversation goes on
+    chat.until("you> ")
+    chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
+    code, err = chat.finish()
+    assert code == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
