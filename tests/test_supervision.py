@@ -29,7 +29,7 @@ from server_fixtures import (
     user,
 )
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402 (the [test] extra)
 
 
 # -- in-process: the worker's message handling and the engine core's step isolation ----------
