@@ -63,7 +63,7 @@ def ask(client, msgs: list[dict]):
 
 
 def counters(s: ServerProc) -> dict[str, float]:
-    time.sleep(0.6)  # the workers' stats (every 0.25 s) reach P0
+    s.stats_settled()
     return {k: s.metric(f"triptych:{k}_total") for k in (
         "mm_processor_cache_queries", "mm_processor_cache_hits", "encoder_cache_queries",
         "encoder_cache_hits", "prefix_cache_queries", "prefix_cache_hits")}
@@ -206,11 +206,18 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
 
 
 def test_engine_timings_reach_metrics(server, client):
-    """vLLM's engine-side histograms (the worker measures them) are exported."""
+    """vLLM's engine-side histograms (the worker measures them) are exported, and this
+    request moves them (before/after: earlier tests fed the same server)."""
+    names = ("request_queue_time_seconds", "request_prefill_time_seconds",
+             "request_decode_time_seconds", "request_inference_time_seconds",
+             "time_per_prefill_token_request_seconds")
+    server.stats_settled()
+    before = {n: server.metric(f"triptych:{n}_count") for n in names}
+    steps = server.metric("triptych:iteration_tokens_total_count")
+    inference = server.metric("triptych:request_inference_time_seconds_sum")
     ask(client, user(text_part("Timing check.")))
-    time.sleep(0.6)
-    for name in ("iteration_tokens_total", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "time_per_prefill_token_request_seconds"):
-        assert server.metric(f"triptych:{name}_count") > 0, name
-    assert server.metric("triptych:request_inference_time_seconds_sum") > 0
+    server.stats_settled()
+    for name in names:  # one request: one observation each
+        assert server.metric(f"triptych:{name}_count") == before[name] + 1, name
+    assert server.metric("triptych:iteration_tokens_total_count") >= steps + MAX_TOKENS
+    assert server.metric("triptych:request_inference_time_seconds_sum") > inference
