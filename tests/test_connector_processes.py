@@ -224,7 +224,7 @@ def test_receiver_killed_before_reading_leaks_nothing(prefix):
         dead_dirs = _ipc_dirs(prefix, child)
         assert len(dead_dirs) == 1  # kill -9 left the receiver's socket directory
         t0 = time.monotonic()
-        while _segments(prefix, os.getpid()) and time.monotonic() - t0 < 5:
+        while _segments(prefix, os.getpid()) and time.monotonic() - t0 < 60:  # hang guard
             time.sleep(0.05)
         assert not _segments(prefix, os.getpid()), "the sender did not reap its segment"
         assert sender.stats.reaped_segments == 1
