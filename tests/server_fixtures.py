@@ -223,13 +223,6 @@ class ServerProc:
                     total += s.value
         return total
 
-    def stats_settled(self) -> None:
-        """Wait until the workers' stats pushes (every 0.25 s) have caught up with every
-        answer given so far: the engines' generated tokens reach the tokens the API
-        delivered (a condition, not a sleep)."""
-        wait_for(lambda: self.metric("triptych:generation_tokens_total")
-                 >= self.metric("triptych:request_generation_tokens_sum"), "the workers' stats")
-
     def wait_running(self, value: float, timeout: float) -> float:
         """Poll the running-requests gauge until it equals value (or time runs out)."""
         deadline = time.time() + timeout
