@@ -170,7 +170,7 @@ class InputProcessor:
             for j, part in enumerate(content):
                 found = self._parse_part(part)
                 media += found
-                fields += [f"messages[{i}].content[{j}].{part['type']}"] * len(found)
+                fields += [f"messages.{i}.content.{j}.{part['type']}"] * len(found)
         self._check_limits([k for k, _, _ in media])
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,

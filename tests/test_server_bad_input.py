@@ -113,12 +113,12 @@ CASES = {
 
 
 # One image or video refused: the refusal names its field (README: "names the field").
-IMAGE, VIDEO = "messages[0].content[0].image_url", "messages[0].content[0].video_url"
+IMAGE, VIDEO = "messages.0.content.0.image_url", "messages.0.content.0.video_url"
 FIELDS = {"too many pixels": IMAGE, "decompression bomb": IMAGE, "corrupt image": IMAGE,
           "truncated image": IMAGE, "corrupt video": VIDEO, "video too long": VIDEO,
           "bad base64": IMAGE, "ftp scheme": IMAGE, "file outside allowed dir": IMAGE,
           "dotdot escape": IMAGE, "dotdot file url": IMAGE, "loopback ip url": IMAGE,
-          "localhost url": IMAGE, "corrupt second image": "messages[1].content[2].image_url"}
+          "localhost url": IMAGE, "corrupt second image": "messages.1.content.2.image_url"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

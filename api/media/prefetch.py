@@ -48,7 +48,7 @@ class MediaFetcher:
                 if isinstance(ref, dict) and isinstance(ref.get("url"), str) and \
                         is_remote(ref["url"]):
                     part[part["type"]] = ref = dict(ref)  # never mutate the caller's dict
-                    jobs.append((ref, kind, f"messages[{i}].content[{j}].{part['type']}"))
+                    jobs.append((ref, kind, f"messages.{i}.content.{j}.{part['type']}"))
         if not jobs:
             return
         tasks = [asyncio.ensure_future(self._one(ref, kind, limits)) for ref, kind, _ in jobs]
