@@ -259,6 +259,9 @@ def test_cleanup_stale_removes_a_dead_senders_segments(prefix):
         child = line["pid"]
         assert len(_segments(prefix, child)) == 1 and _ipc_dirs(prefix, child)
         assert cleanup_stale(prefix) == []  # its owner is alive: untouched
+        # The handle has reached the receiver's queue (not read: poll only), so the kill
+        # cannot lose it in the dying sender's send buffer, however loaded the box.
+        assert recv.poll_socket().poll(60_000, zmq.POLLIN)
         peer.kill()  # SIGKILL while its segment waits unread
         leftovers = sorted(_segments(prefix, child) + _ipc_dirs(prefix, child))
         assert sorted(cleanup_stale(prefix)) == leftovers
