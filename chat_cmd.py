@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from typing import Any
 
 _COMMANDS = ("Type a message and press Enter. '/image PATH' attaches an image to your next "
-             "message; '/reset' starts a new conversation; Ctrl-D quits.")
+             "message; '/reset' starts a new conversation; '/help' shows this; '/quit', "
+             "'/exit' or Ctrl-D quits; Ctrl-C stops an answer, or quits at the prompt.")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +29,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: no traceback
+        print()
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     import os
 
     from triptych.cli import engine_config_from_args, resolve_model
@@ -43,19 +53,33 @@ def run(args: argparse.Namespace) -> int:
                                   allowed_local_media_path=args.allowed_local_media_path or os.getcwd())
     kw = {k: getattr(cfg, k) for k in cfg.field_names() if k != "model"}
     llm = LLM(model, **kw)
+    try:
+        return _converse(llm, SamplingParams(temperature=args.temperature,
+                                             max_tokens=args.max_tokens))
+    finally:
+        llm.close()
+
+
+def _converse(llm: Any, sp: Any) -> int:
+    import os
+
     # From here on only answers and errors reach the terminal: log lines (engine stats,
     # warnings from libraries) would interleave with them.
     logging.getLogger().setLevel(logging.ERROR)
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     history: list[dict] = []
     pending: list[dict] = []
     print(_COMMANDS)
     while True:
         try:
             line = input("you> ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: quit
             print()
             return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/help":
+            print(_COMMANDS)
+            continue
         if line.startswith("/image"):
             path = os.path.abspath(os.path.expanduser(line[6:].strip()))
             if not os.path.isfile(path):
@@ -68,16 +92,38 @@ def run(args: argparse.Namespace) -> int:
             history, pending = [], []
             print("(new conversation)")
             continue
+        if line.startswith("/") and " " not in line:
+            print(f"unknown command {line}; /help lists them")
+            continue
         if not line and not pending:
             continue
         history.append({"role": "user", "content": pending + [{"type": "text", "text": line}]})
         pending = []
         try:
-            (out,) = llm.chat(history, sp, use_tqdm=False)
+            (out,) = _answer(llm, history, sp)
         except ValueError as e:
-            print(f"error: {e}")
+            print(f"\nerror: {e}")
+            history.pop()
+            continue
+        except KeyboardInterrupt:  # Ctrl-C mid-answer: drop this turn, back to the prompt
+            print("(answer stopped)")
             history.pop()
             continue
         text = out.outputs[0].text
-        print(f"assistant> {text}")
+        print(text)
         history.append({"role": "assistant", "content": text})
+
+
+def _answer(llm: Any, history: list[dict], sp: Any) -> list[Any]:
+    """One answer; Ctrl-C aborts it between engine steps (the in-process engine) or, with
+    worker pools, stops waiting for it."""
+    if llm.engine is None:
+        print("assistant> ", end="", flush=True)
+        return llm.chat(history, sp, use_tqdm=False)
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    print("assistant> ", end="", flush=True)  # NOTE: after the handler: Ctrl-C stops it
+    try:
+        return llm.chat(history, sp, use_tqdm=False, abort_if=lambda: bool(interrupted))
+    finally:
+        signal.signal(signal.SIGINT, previous)

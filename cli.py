@@ -107,12 +107,37 @@ def resolve_model(model: str) -> str:
         return snapshot_download(model, allow_patterns=[
             "*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
     except Exception as e:  # noqa: BLE001 - every hub failure becomes one line
-        name = type(e).__name__
-        if "NotFound" in name or "Gated" in name:
+        if hub_says_no_such_model(e):
             fail(f"--model {model}: no such directory, and the Hugging Face hub has no such "
                  "model (or it needs a login: set HF_TOKEN)")
         fail(f"--model {model}: no such directory, and the Hugging Face hub cannot be "
-             f"reached ({name}): {hint}")
+             f"reached ({_root_cause(e)}): {hint}")
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (``__cause__`` / ``__context__``)."""
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
+def _root_cause(e: BaseException) -> str:
+    return type(_causes(e)[-1]).__name__
+
+
+def hub_says_no_such_model(e: BaseException) -> bool:
+    """True only when the hub answered and said the repository (or revision) is missing or
+    gated. NOTE: huggingface_hub reports an unreachable hub as ``LocalEntryNotFoundError``
+    ("not in the local cache") raised from the connection error, so a name containing
+    "NotFound" says nothing about the hub: only an HTTP answer does."""
+    try:
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError:  # pragma: no cover - resolve_model checked the import
+        return False
+    return any(isinstance(c, (RepositoryNotFoundError, RevisionNotFoundError))
+               for c in _causes(e))
 
 
 def _field_help() -> dict[str, str]:
@@ -189,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     early_env(_early_cpu_threads(argv))  # before torch is imported anywhere
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore", "matplotlib"):
+    for noisy in ("httpx", "httpx2", "httpcore", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = ArgumentParser(
         prog="triptych", description="triptych: a multimodal-first LLM serving engine")

@@ -15,7 +15,7 @@ run the batch (``llm.close()`` stops them; they also stop when this process exit
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -94,16 +94,19 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             abort_if: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of OpenAI-style messages) or a list of them.
         ``continue_final_message`` continues the last message instead of starting a new
-        one (vLLM's parameters; pass ``add_generation_prompt=False`` with it)."""
+        one (vLLM's parameters; pass ``add_generation_prompt=False`` with it).
+        ``abort_if`` is asked between engine steps: True aborts the requests and raises
+        KeyboardInterrupt (`triptych chat`'s Ctrl-C; the in-process engine only)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         processed = [self._process(i, lambda c=c: self.processor.process_chat(
             c, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)) for i, c in enumerate(convs)]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, abort_if)
 
     @staticmethod
     def _process(index: int, fn: Any) -> Any:
@@ -113,7 +116,8 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from e
 
-    def _run(self, processed: list[Any], params: Any, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed: list[Any], params: Any, use_tqdm: bool,
+             abort_if: Callable[[], bool] | None = None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(processed)
@@ -150,5 +154,10 @@ class LLM:
                     bar.update(1)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+            if abort_if is not None and abort_if():
+                # NOTE: between steps, never inside one: the engine stays consistent.
+                self.engine.abort_request([r for r in ids if r not in results])
+                bar.close()
+                raise KeyboardInterrupt
         bar.close()
         return [results[r] for r in ids]

@@ -60,7 +60,7 @@ class InputStage:
         try:  # media decoding, the HF processor and the tokenizer: off the event loop
             return await anyio.to_thread.run_sync(fn)
         except ValueError as e:  # MediaError included: its message is meant for clients
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         except TemplateError as e:  # the template's raise_exception(...) speaks to clients
             raise APIError(400, f"the chat template refused the messages: {e}",
                            param="messages") from None
@@ -96,7 +96,7 @@ class InputStage:
             try:
                 await self.fetcher.prefetch(messages, media)
             except MediaError as e:
-                raise APIError(400, str(e), param="messages") from None
+                raise APIError(400, str(e), param=e.param or "messages") from None
             prompt = await self._run(lambda: view.process_chat(
                 messages, add_generation_prompt=add_generation,
                 continue_final_message=body.continue_final_message,

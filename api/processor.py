@@ -158,7 +158,8 @@ class InputProcessor:
                 not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         media: list[tuple[str, Any, str | None]] = []
-        for m in messages:
+        fields: list[str] = []  # the request field of each media item, for refusals
+        for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise ValueError("every message needs a string 'role'")
             content = m.get("content")
@@ -167,13 +168,15 @@ class InputProcessor:
                 continue
             if not isinstance(content, list):
                 raise ValueError("message content must be a string or a list of parts")
-            for part in content:
-                media += self._parse_part(part)
+            for j, part in enumerate(content):
+                found = self._parse_part(part)
+                media += found
+                fields += [f"messages.{i}.content.{j}.{part['type']}"] * len(found)
         self._check_limits([k for k, _, _ in media])
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        return self._build(text, media)
+        return self._build(text, media, fields=fields)
 
     def process_prompt(self, prompt: str | list[int] | dict) -> ProcessedPrompt:
         """A string, token ids, or {'prompt': str, 'multi_modal_data': {'image': PIL|list,
@@ -386,8 +389,10 @@ class InputProcessor:
                 "mm_items_processed": float(self.counts.processed)}
 
     # -- expansion ------------------------------------------------------------------------
-    def _build(self, text: str, media: list[tuple[str, Any, str | None]], by_kind: bool = False
-               ) -> ProcessedPrompt:
+    def _build(self, text: str, media: list[tuple[str, Any, str | None]], by_kind: bool = False,
+               fields: list[str] | None = None) -> ProcessedPrompt:
+        """``fields`` (chat): the request field of each item in ``media``, named by a
+        refusal of that item (MediaError.param)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         pads = [i for i, t in enumerate(ids) if t in (self.image_token_id, self.video_token_id)]
         kinds = ["image" if ids[i] == self.image_token_id else "video" for i in pads]
@@ -410,8 +415,13 @@ class InputProcessor:
         items: list[MMItem] = []
         sources: list[MediaSource] = []
         prev = 0
-        for pos, (kind, src, uuid) in zip(pads, media):
-            item, source = self._load(kind, src, uuid)
+        for n, (pos, (kind, src, uuid)) in enumerate(zip(pads, media)):
+            try:
+                item, source = self._load(kind, src, uuid)
+            except MediaError as e:
+                if fields and e.param is None:
+                    e.param = fields[n]
+                raise
             out_ids += ids[prev:pos]
             item.offset, item.length = len(out_ids), self._length(item.grid_thw)
             items.append(item)

@@ -114,7 +114,13 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, model=model)
     name = args.served_model_name or (args.model if args.model and not os.path.isdir(
         os.path.expanduser(args.model)) else os.path.basename(os.path.normpath(model)))
-    asyncio.run(_serve(args, config, model, name, frames, fps))
+    try:
+        asyncio.run(_serve(args, config, model, name, frames, fps))
+    except KeyboardInterrupt:
+        # NOTE: uvicorn re-raises the SIGINT it handled once it has shut down cleanly;
+        # asyncio.run turns that into CancelledError + KeyboardInterrupt. Ctrl-C is how a
+        # terminal user stops the server: no traceback (the finally in _serve has run).
+        logger.info("stopped (Ctrl-C)")
     return 0
 
 

@@ -21,7 +21,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -121,7 +120,7 @@ def _transfer(before: dict[str, float], after: dict[str, float], requests: int) 
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from triptych.bench.serve import sweep
+    from triptych.bench.serve import output_path, sweep
     from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
 
     model = args.serve_model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
@@ -129,7 +128,8 @@ def run_layouts(args: argparse.Namespace) -> int:
     for n in names:
         layout_flags(n)  # fail before starting anything
     report: dict[str, dict] = {}
-    logs = tempfile.mkdtemp(prefix="triptych-bench-")
+    logs = output_path(args, "bench_layouts_logs")
+    os.makedirs(logs, exist_ok=True)
     for name in names:
         print(f"== layout {name}", flush=True)
         flags = layout_flags(name) + shlex.split(args.serve_args)
@@ -143,14 +143,15 @@ def run_layouts(args: argparse.Namespace) -> int:
         report[name] = {"flags": flags, "results": results,
                         "transfer": _transfer(before, after, done)}
     _table(report)
-    with open(args.json_out, "w") as f:
+    json_out, plot = output_path(args, args.json_out), output_path(args, args.plot)
+    with open(json_out, "w") as f:
         json.dump({"model": model, "num_requests": args.num_requests,
                    "images_per_request": args.images_per_request,
                    "image_size": args.image_size, "max_tokens": args.max_tokens,
                    "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
                    "layouts": report}, f, indent=2)
-    _plot(report, args.plot)
-    print(f"wrote {args.json_out} and {args.plot} (server logs in {logs})")
+    _plot(report, plot)
+    print(f"wrote {json_out} and {plot} (server logs in {logs})")
     return 0
 
 

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -34,6 +33,8 @@ CONFIGS = {
 
 
 def add_parser(sub: Any) -> None:
+    from triptych.bench.serve import add_output_args
+
     p = sub.add_parser("multiturn", help="multi-turn image chats: each cache's effect on TTFT",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
@@ -47,7 +48,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
     p.add_argument("--serve-args", default="", help="extra `triptych serve` flags")
     p.add_argument("--seed", type=int, default=0, help="seed of the images")
-    p.add_argument("--json-out", default="bench_multiturn.json", help="results file")
+    add_output_args(p, "bench_multiturn.json")
 
 
 def _images(rng: np.random.Generator, size: int) -> list[str]:
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     import shlex
 
     from triptych.bench.layouts import serving
+    from triptych.bench.serve import output_path
     from triptych.models.demo import BENCH_FLAGS, DEMO_FLAGS, tiny_checkpoint
 
     model = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)
@@ -150,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(names) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; use {', '.join(CONFIGS)}")
-    logs = tempfile.mkdtemp(prefix="triptych-bench-")
+    logs = output_path(args, "bench_multiturn_logs")
+    os.makedirs(logs, exist_ok=True)
     report: dict[str, Any] = {}
     for name in names:
         flags = CONFIGS[name] + ["--max-model-len", "8192"] + shlex.split(args.serve_args)
@@ -169,9 +172,10 @@ def run(args: argparse.Namespace) -> int:
     pc = report["processor_cost"]
     print(f"P0 processing of a 2-image prompt: miss {pc['miss_ms']:.1f} ms, hit "
           f"{pc['hit_ms']:.1f} ms ({pc['miss_ms'] / max(pc['hit_ms'], 1e-9):.0f}x)")
-    with open(args.json_out, "w") as f:
+    json_out = output_path(args, args.json_out)
+    with open(json_out, "w") as f:
         json.dump({"model": model, "conversations": args.conversations, "turns": args.turns,
                    "image_size": args.image_size, "max_tokens": args.max_tokens,
                    "concurrency": args.concurrency, "results": report}, f, indent=2)
-    print(f"wrote {args.json_out} (server logs in {logs})")
+    print(f"wrote {json_out} (server logs in {logs})")
     return 0

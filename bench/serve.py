@@ -5,7 +5,8 @@ range / a list for a mixed load) and ask for a fixed number of tokens; arrivals 
 at --request-rate (inf = all at once). Streaming responses give TTFT (first generated token),
 ITL (gaps between chunks) and TPOT ((latency - TTFT) / (tokens - 1)); goodput counts the
 requests per second that meet both SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms,
-DistServe's measure). A sweep over rates writes a JSON file and a PNG.
+DistServe's measure). A sweep over rates writes a JSON file and a PNG into --output-dir
+(./bench-results/ unless told; git ignores it) and prints where they went.
 
 With --layouts the command starts `triptych serve` itself once per layout (bench/layouts.py)
 and compares them on the same load.
@@ -18,12 +19,14 @@ import base64
 import io
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+DEFAULT_OUTPUT_DIR = "bench-results"  # relative to where the command runs; in .gitignore
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="load a server (TTFT / TPOT / ITL / goodput, plots); "
@@ -50,8 +53,24 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT bound")
     p.add_argument("--seed", type=int, default=0, help="seed of images and arrivals")
-    p.add_argument("--json-out", default="bench_serve.json", help="results file")
-    p.add_argument("--plot", default="bench_serve.png", help="PNG of TTFT and ITL vs rate")
+    add_output_args(p, "bench_serve.json", plot="bench_serve.png")
+
+
+def add_output_args(p: argparse.ArgumentParser, json_name: str, plot: str | None = None) -> None:
+    """--output-dir and the result file names in it (`bench serve`, `--layouts`,
+    `bench multiturn`): nothing is written into the current directory itself."""
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                   help="folder for results, plots and server logs (made if missing)")
+    p.add_argument("--json-out", default=json_name, help="results file, in --output-dir")
+    if plot:
+        p.add_argument("--plot", default=plot, help="PNG of TTFT and ITL vs rate, in "
+                                                    "--output-dir")
+
+
+def output_path(args: argparse.Namespace, name: str) -> str:
+    """``name`` inside --output-dir (an absolute ``name`` stays where it is)."""
+    os.makedirs(args.output_dir, exist_ok=True)
+    return os.path.join(args.output_dir, name)
 
 
 @dataclass
@@ -215,11 +234,15 @@ def run(args: argparse.Namespace) -> int:
     results = sweep(args, args.base_url)
     rates = [r["request_rate"] for r in results]
     model = args.model
-    with open(args.json_out, "w") as f:
+    json_out = output_path(args, args.json_out)
+    with open(json_out, "w") as f:
         json.dump({"model": model, "num_requests": args.num_requests,
                    "image_size": args.image_size, "max_tokens": args.max_tokens,
                    "results": results}, f, indent=2)
     if len(rates) > 1:
-        _plot(results, args.plot)
-        print(f"wrote {args.json_out} and {args.plot}")
+        plot = output_path(args, args.plot)
+        _plot(results, plot)
+        print(f"wrote {json_out} and {plot}")
+    else:
+        print(f"wrote {json_out} (one rate: no plot)")
     return 0

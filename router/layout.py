@@ -9,15 +9,27 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from triptych.config import EngineConfig
+from triptych.config import EngineConfig, parse_size
+
+# NOTE: CPU KV cache bytes of each worker when --kv-cache-memory is left at its default.
+# Every worker allocates its own cache. A decode (or colocated) worker keeps every running
+# request's blocks to the end of its answer; a prefill worker of P+D keeps a prompt's blocks
+# only until they are handed to a decode worker, so it needs far less. Encode workers hold
+# no KV cache.
+POOL_KV_CACHE_MEMORY = {"colocated": 1 << 30, "decode": 1 << 30, "prefill": 256 << 20}
+_DEFAULT_KV_CACHE_MEMORY = next(f.default for f in dataclasses.fields(EngineConfig)
+                                if f.name == "kv_cache_memory")
 
 
 @dataclass(frozen=True)
 class Layout:
     pools: dict[str, int]  # pool name -> workers, in request order (encode, prefill, decode)
     tp: dict[str, int] = field(default_factory=dict)  # pool name -> ranks of each worker
+    # pool name -> CPU KV cache bytes of each of its workers (pools with a KV cache only)
+    kv_cache_memory: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Layout:
@@ -27,7 +39,16 @@ class Layout:
             pools = {k: v for k, v in {"encode": config.encode_workers,
                                        "prefill": config.prefill_workers,
                                        "decode": config.decode_workers}.items() if v}
-        return cls(pools, {p: config.pool_tensor_parallel_size(p) for p in pools})
+        return cls(pools, {p: config.pool_tensor_parallel_size(p) for p in pools},
+                   pool_kv_cache_memory(config, pools))
+
+    def worker_knobs(self, pool: str) -> dict[str, int]:
+        """What a worker of ``pool`` gets on top of the engine config: its ranks and its KV
+        cache budget."""
+        knobs = {"tensor_parallel_size": self.tp[pool]}
+        if pool in self.kv_cache_memory:
+            knobs["kv_cache_memory"] = self.kv_cache_memory[pool]
+        return knobs
 
     @property
     def in_process(self) -> bool:
@@ -74,3 +95,12 @@ class Layout:
             return f"colocated x{self.pools['colocated']}{ranks}"
         name = "".join(f"{n}{p[0]}" for p, n in self.pools.items())
         return (name if self.has_prefill_pool else f"{name} (decode workers prefill)") + ranks
+
+
+def pool_kv_cache_memory(config: EngineConfig, pools: dict[str, int]) -> dict[str, int]:
+    """Each KV-holding pool's per-worker budget: the user's --kv-cache-memory for every
+    worker when it is set to anything but its default, else POOL_KV_CACHE_MEMORY."""
+    given = parse_size(config.kv_cache_memory)
+    explicit = given != parse_size(_DEFAULT_KV_CACHE_MEMORY)
+    return {p: given if explicit else POOL_KV_CACHE_MEMORY[p]
+            for p in pools if p in POOL_KV_CACHE_MEMORY}

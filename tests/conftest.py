@@ -28,8 +28,29 @@ def _our_files() -> set[str]:
     import glob
     import tempfile
 
-    return (set(glob.glob(os.path.join(tempfile.gettempdir(), "triptych-*")))
-            | set(glob.glob("/dev/shm/triptych*")))
+    found = (set(glob.glob(os.path.join(tempfile.gettempdir(), "triptych-*")))
+             | set(glob.glob("/dev/shm/triptych*")))
+    return {f for f in found if not _someone_elses(f)}
+
+
+def _someone_elses(path: str) -> bool:
+    """An entry named triptych-<pid>-... of a live process outside this test session (an
+    other checkout's tests on a shared machine); dead owners' entries are leaks and count."""
+    import re
+
+    m = re.match(r"triptych-(\d+)-", os.path.basename(path))
+    if not m or int(m.group(1)) == os.getpid() or not os.path.exists(f"/proc/{m.group(1)}"):
+        return False
+    pid = int(m.group(1))
+    while pid > 1:  # walk up to see whether this session started it
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == os.getpid():
+            return False
+    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -113,6 +113,17 @@ def file_server(directory: Path) -> ThreadingHTTPServer:
     return httpd
 
 
+def wait_for(pred, what: str, timeout: float = 60.0, step: float = 0.05):
+    """Poll ``pred()`` until it returns something true, and return that. ``timeout`` is a
+    hang guard (tens of seconds), never a speed claim: on a slow or busy box the
+    condition comes later, and the test still passes."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(step)
+    return value
+
+
 def _children(pid: int) -> list[int]:
     """Every descendant of pid (Linux /proc)."""
     out = []

@@ -25,9 +25,10 @@ from server_fixtures import (
     png,
     text_part,
     user,
+    wait_for,
 )
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402 (the [test] extra)
 MAX_TOKENS = 6
 IMAGE = data_url(png(img(77, 112, 84)))
 OTHER = data_url(png(img(78, 84, 112)))
@@ -63,10 +64,18 @@ def ask(client, msgs: list[dict]):
 
 
 def counters(s: ServerProc) -> dict[str, float]:
-    time.sleep(0.6)  # the workers' stats (every 0.25 s) reach P0
     return {k: s.metric(f"triptych:{k}_total") for k in (
         "mm_processor_cache_queries", "mm_processor_cache_hits", "encoder_cache_queries",
         "encoder_cache_hits", "prefix_cache_queries", "prefix_cache_hits")}
+
+
+def counters_above(s: ServerProc, before: dict[str, float], *names: str) -> dict[str, float]:
+    """The counters once each of ``names`` has grown past ``before``: the workers report
+    every 0.25 s, so the test waits for the report (a hang guard, not a sleep)."""
+    def grown() -> dict[str, float] | None:
+        now = counters(s)
+        return now if all(now[n] > before[n] for n in names) else None
+    return wait_for(grown, f"{', '.join(names)} to grow")
 
 
 def test_three_turns_reuse_all_three_caches(server, client, uncached):
@@ -83,11 +92,9 @@ def test_three_turns_reuse_all_three_caches(server, client, uncached):
         assert answer == want(uncached, msgs), f"turn {i + 1}"
         cached = r.usage.prompt_tokens_details.cached_tokens
         assert (cached > 0) == (i > 0), f"turn {i + 1}: cached_tokens {cached}"
-        now = counters(server)
-        if i > 0:  # the image is sent again with every turn (the whole conversation)
-            assert now["mm_processor_cache_hits"] > before["mm_processor_cache_hits"]
-            assert now["prefix_cache_hits"] > before["prefix_cache_hits"]
-        before = now
+        # From turn 2 the image is sent again with every turn (the whole conversation).
+        before = counters_above(server, before, "mm_processor_cache_hits",
+                                "prefix_cache_hits") if i > 0 else counters(server)
         msgs.append({"role": "assistant", "content": answer})
 
 
@@ -99,9 +106,7 @@ def test_same_image_behind_another_prompt_hits_processor_and_encoder(server, cli
     second = user(text_part("Quite another opening line, then:"), image_part(OTHER),
                   text_part("Now what?"))
     assert ask(client, second).choices[0].message.content == want(uncached, second)
-    after = counters(server)
-    assert after["mm_processor_cache_hits"] > before["mm_processor_cache_hits"]
-    assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
+    counters_above(server, before, "mm_processor_cache_hits", "encoder_cache_hits")
 
 
 def test_a_uuid_names_an_image_the_server_holds(server, client, uncached):
@@ -185,7 +190,7 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
         assert ask(c, msgs).choices[0].message.content == want(uncached, msgs)
         assert ask(c, other).choices[0].message.content == want(uncached, other)
         assert glob.glob(f"/dev/shm/triptych-{pid}-*"), "the ring lives in /dev/shm"
-        assert counters(s)["mm_processor_cache_hits"] >= 1
+        counters_above(s, {"mm_processor_cache_hits": 0}, "mm_processor_cache_hits")
         s.stop(signal.SIGKILL)  # no clean shutdown: the ring stays behind ...
         s.cleanup_descendants()
         assert glob.glob(f"/dev/shm/triptych-{pid}-*")
@@ -206,11 +211,14 @@ def test_shm_ring_serves_repeats_and_leaves_nothing(tiny_qwen2_vl, tmp_path, unc
 
 
 def test_engine_timings_reach_metrics(server, client):
-    """vLLM's engine-side histograms (the worker measures them) are exported."""
+    """vLLM's engine-side histograms (the worker measures them) are exported, and this
+    request moves them (before/after: earlier tests fed the same server)."""
+    names = ("request_queue_time_seconds", "request_prefill_time_seconds",
+             "request_decode_time_seconds", "request_inference_time_seconds",
+             "time_per_prefill_token_request_seconds", "iteration_tokens_total")
+    before = {n: server.metric(f"triptych:{n}_count") for n in names}
+    inference = server.metric("triptych:request_inference_time_seconds_sum")
     ask(client, user(text_part("Timing check.")))
-    time.sleep(0.6)
-    for name in ("iteration_tokens_total", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "time_per_prefill_token_request_seconds"):
-        assert server.metric(f"triptych:{name}_count") > 0, name
-    assert server.metric("triptych:request_inference_time_seconds_sum") > 0
+    wait_for(lambda: all(server.metric(f"triptych:{n}_count") > before[n] for n in names),
+             "every engine-side histogram to count this request")
+    assert server.metric("triptych:request_inference_time_seconds_sum") > inference

@@ -3,11 +3,13 @@ spellings, --model checked in one line before anything starts (offline: no downl
 ever tried here), and `triptych chat` keeping log lines out of its answers."""
 from __future__ import annotations
 
-import argparse
+import http.server
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -81,14 +83,17 @@ def test_vllm_spellings_and_aliases():
     assert EngineConfig.from_kwargs(model="m", num_gpu_blocks_override=7).num_kv_blocks == 7
     with pytest.raises(TypeError):
         EngineConfig.from_kwargs(model="m", num_gpu_blocks_override=7, num_kv_blocks=7)
-    assert isinstance(p, argparse.ArgumentParser)
 
 
-def one_line_error(*argv: str, env: dict | None = None) -> str:
+def one_line_error(*argv: str, env: dict | None = None, logs: bool = False) -> str:
+    """The one error line (``logs``: after INFO lines such as "downloading ...")."""
     r = subprocess.run([sys.executable, "-m", "triptych", *argv], capture_output=True,
                        text=True, timeout=60, env=env or ENV, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
+    if logs:
+        assert all(" INFO " in line for line in lines[:-1]), r.stderr
+        lines = lines[-1:]
     assert len(lines) == 1 and lines[0].startswith("triptych: error:"), r.stderr
     return lines[0]
 
@@ -116,9 +121,91 @@ def test_hub_id_found_in_the_cache_needs_no_network(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == str(snap), r.stderr
 
 
+@pytest.fixture
+def fake_hub():
+    """A local stand-in for the Hugging Face hub that answers every request the way the
+    real one answers for a repository that does not exist (404, X-Error-Code: RepoNotFound)."""
+    class NoSuchRepo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoSuchRepo)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on return: connections are refused
+
+
+def test_unreachable_hub_is_not_a_missing_model(tmp_path):
+    # Network or not, a hub at a closed local port cannot be reached: huggingface_hub
+    # raises LocalEntryNotFoundError from the connection error.
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    line = one_line_error("serve", "--model", "Qwen/Qwen2-VL-2B-Instruct", env=env, logs=True)
+    assert "hub cannot be reached" in line and "no such model" not in line, line
+    assert "hf download Qwen/Qwen2-VL-2B-Instruct" in line
+
+
+def test_missing_model_on_a_reachable_hub(tmp_path, fake_hub):
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=fake_hub)
+    line = one_line_error("serve", "--model", "nobody/no-such-model", env=env, logs=True)
+    assert "hub has no such model" in line and "cannot be reached" not in line, line
+
+
+def test_hub_errors_are_classified_by_what_the_hub_said():
+    import httpx2
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from triptych.cli import hub_says_no_such_model
+
+    def answered(cls: type, status: int) -> Exception:
+        req = httpx2.Request("GET", "https://huggingface.co/api/models/a/b")
+        return cls("hub said so", response=httpx2.Response(status, request=req))
+
+    def raised_from(outer: Exception, inner: BaseException) -> Exception:
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise outer from e
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    offline = raised_from(LocalEntryNotFoundError("cannot find the snapshot folder"),
+                          httpx2.ConnectError("Name or service not known"))
+    assert not hub_says_no_such_model(offline)
+    assert not hub_says_no_such_model(LocalEntryNotFoundError("not in the cache"))
+    assert not hub_says_no_such_model(TimeoutError("read timed out"))
+    for cls, status in ((RepositoryNotFoundError, 404), (GatedRepoError, 403),
+                        (RevisionNotFoundError, 404)):
+        assert hub_says_no_such_model(answered(cls, status))
+        assert hub_says_no_such_model(raised_from(RuntimeError("wrapped"),
+                                                  answered(cls, status)))
+
+
 def test_chat_keeps_logs_out_of_answers(tiny_qwen2_vl, tmp_path):
     (tmp_path / "a.png").write_bytes(png(img(1)))
-    script = f"/image {tmp_path}/a.png\nWhat is it?\n/image {tmp_path}/none.png\n/reset\n"
+    script = (f"/image {tmp_path}/a.png\nWhat is it?\n/image {tmp_path}/none.png\n/reset\n"
+              "/exit\nnever read\n")
     r = subprocess.run([sys.executable, "-m", "triptych", "chat", "--model", tiny_qwen2_vl,
                         "--max-tokens", "3", "--block-size", "4", "--max-model-len", "256",
                         "--allowed-local-media-path", str(tmp_path)],
@@ -128,5 +215,79 @@ def test_chat_keeps_logs_out_of_answers(tiny_qwen2_vl, tmp_path):
     out = r.stdout
     assert f"attached {tmp_path}/a.png" in out and "no such file" in out
     assert "assistant> " in out and "(new conversation)" in out
+    assert out.count("assistant> ") == 1  # /exit quit: the line after it was never sent
     assert not re.search(r"INFO|WARNING|running \d+, waiting", out)
     assert not re.search(r"running \d+, waiting", r.stderr)  # no stats lines at all
+
+
+class Chat:
+    """`triptych chat` in a subprocess: lines in on stdin, stdout read as it comes."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        import queue
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "triptych", "chat", "--model", model, "--block-size", "4",
+             *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=ENV)
+        self.out = ""
+        self._chunks: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        while chunk := self.proc.stdout.read(1):
+            self._chunks.put(chunk)
+        self._chunks.put("")
+
+    def until(self, text: str, timeout: float = 120) -> None:
+        """Read until ``text`` has appeared (a hang guard, not a speed claim)."""
+        import queue
+        start = len(self.out)
+        while text not in self.out[start:]:
+            try:
+                chunk = self._chunks.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} in {self.out[-2000:]!r}") from None
+            assert chunk, f"chat ended before {text!r}: {self.out[-2000:]!r}"
+            self.out += chunk
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+        return code, self.proc.stderr.read()
+
+
+def test_chat_commands_are_not_messages(tiny_qwen2_vl):
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "2", "--max-model-len", "256")
+    chat.until("you> ")
+    chat.send("/help")
+    chat.until("you> ")
+    assert "/quit" in chat.out.split("you> ")[1]  # the help text, not an answer
+    chat.send("/nonsense")
+    chat.until("you> ")
+    chat.send("/quit")
+    code, err = chat.finish()
+    assert code == 0 and "Traceback" not in err, err
+    assert "assistant>" not in chat.out and "unknown command /nonsense" in chat.out
+
+
+def test_chat_ctrl_c_stops_an_answer_then_quits_at_the_prompt(tiny_qwen2_vl):
+    # A long answer (the random model rarely ends by itself): Ctrl-C lands in the middle.
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "4000", "--max-model-len", "4096")
+    chat.until("you> ")
+    chat.send("Tell me a long story")
+    chat.until("assistant> ")  # printed once Ctrl-C means "stop this answer"
+    chat.proc.send_signal(signal.SIGINT)
+    chat.until("(answer stopped)")
+    chat.until("you> ")
+    chat.send("/help")  # the conversation goes on
+    chat.until("you> ")
+    chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
+    code, err = chat.finish()
+    assert code == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

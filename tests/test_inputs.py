@@ -109,9 +109,10 @@ def test_stop_string_and_eos(llm):
     (ref,) = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12,
                                                              ignore_eos=True), use_tqdm=False)
     text = ref.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
-    if not stop.strip():
-        pytest.skip("greedy text of the random model has no usable stop string")
+    # Two characters from the middle on that are not all whitespace (the greedy text of the
+    # seeded tiny model is fixed: no such pair would be a failure, never a skip).
+    i = next(i for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    stop = text[i:i + 2]
     (out,) = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12,
                                                              stop=[stop], ignore_eos=True),
                           use_tqdm=False)

@@ -29,9 +29,10 @@ from server_fixtures import (
     text_part,
     user,
     video_part,
+    wait_for,
 )
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402 (the [test] extra)
 BASE_ARGS = ("--block-size", "4", "--max-model-len", "512", "--served-model-name", "tiny")
 
 
@@ -43,9 +44,17 @@ def media_dir(tmp_path_factory):
 
 
 class _Slow(BaseHTTPRequestHandler):
-    """Promises 10 kB and sends a byte every 0.2 s: a fetch that never ends by itself."""
+    """Promises 10 kB and sends a byte every 0.2 s for 60 s: a fetch that does not end by
+    itself within its deadline. Counts the fetches it has seen, and notes when any of them
+    ran to the end of its trickle."""
+
+    started = 0
+    lock = threading.Lock()
+    trickle_ended = threading.Event()
 
     def do_GET(self) -> None:
+        with _Slow.lock:
+            _Slow.started += 1
         self.send_response(200)
         self.send_header("Content-Length", "10000")
         self.end_headers()
@@ -54,6 +63,7 @@ class _Slow(BaseHTTPRequestHandler):
                 self.wfile.write(b"\0")
                 self.wfile.flush()
                 time.sleep(0.2)
+            _Slow.trickle_ended.set()
         except OSError:
             pass
 
@@ -70,7 +80,9 @@ def slow_port():
     httpd.shutdown()
 
 
-FETCH_TIMEOUT = 4.0
+# NOTE: a deadline, not a speed claim: the text requests of the slow-media test must finish
+# while the slow fetches still wait for it, which a loaded box does with a wide margin.
+FETCH_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -368,8 +380,11 @@ def _families(server) -> dict:
 
 
 def test_vllm_metric_names(client, server):
+    before = server.metric("triptych:generation_tokens_total")
     chat(client, user(text_part("count me")), n=2, temperature=1.0, max_tokens=3)
-    time.sleep(0.6)  # engine stats arrive every 0.25 s
+    # Engine counters come with the workers' stats pushes (every 0.25 s): wait for them.
+    wait_for(lambda: server.metric("triptych:generation_tokens_total") > before,
+             "the engine's stats")
     fams = _families(server)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "gpu_cache_usage_perc", "num_preemptions", "prompt_tokens",
@@ -399,30 +414,26 @@ def test_vllm_metric_names(client, server):
 def test_slow_media_urls_meet_their_deadline_and_do_not_delay_text(client, server, slow_port):
     slow = {"model": "tiny", "max_tokens": 1, "messages": user(
         image_part(f"http://127.0.0.1:{slow_port}/x.png"), text_part("hi"))}
-    results: list[tuple[int, float, str]] = []
+    results: list[tuple[int, str]] = []
 
     def fetch_slow() -> None:
-        t0 = time.monotonic()
-        r = httpx.post(server.base + "/v1/chat/completions", json=slow, timeout=60)
-        results.append((r.status_code, time.monotonic() - t0, r.json()["error"]["message"]))
+        r = httpx.post(server.base + "/v1/chat/completions", json=slow, timeout=120)
+        results.append((r.status_code, r.json()["error"]["message"]))
 
     threads = [threading.Thread(target=fetch_slow) for _ in range(48)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
-    text_times = []
-    for _ in range(5):  # while 48 fetches crawl, text requests go straight through
-        t0 = time.monotonic()
+    # Every fetch slot (--max-concurrent-media-fetches 4) holds a crawling fetch ...
+    wait_for(lambda: _Slow.started >= 4, "the slow fetches to start")
+    for _ in range(5):  # ... and text requests go straight through meanwhile:
         chat(client, user(text_part("quick")), max_tokens=2)
-        text_times.append(time.monotonic() - t0)
+        assert not results, "a slow fetch ended before a text request was answered"
     for t in threads:
-        t.join(60)
-    assert max(text_times) < FETCH_TIMEOUT / 2, text_times
-    assert len(results) == 48 and all(code == 400 for code, _, _ in results)
-    assert all("--media-fetch-timeout" in msg for _, _, msg in results)
-    # each ends at its deadline (the slow server alone would take 60 s); the margin is for
-    # 48 clients queueing on a loaded 2-core machine, not for the fetch
-    assert max(t for _, t, _ in results) < 2 * FETCH_TIMEOUT + 2, sorted(t for _, t, _ in results)
+        t.join(120)
+    assert len(results) == 48 and all(code == 400 for code, _ in results)
+    # Each ended at its deadline, not when the media server stopped sending (60 s).
+    assert all("--media-fetch-timeout" in msg for _, msg in results)
+    assert not _Slow.trickle_ended.is_set()
 
 
 # -- units: the pieces behind the server ----------------------------------------------------

@@ -32,7 +32,7 @@ from server_fixtures import (
     user,
 )
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402 (the [test] extra)
 MAX_LEN = 2048
 
 
@@ -110,7 +110,7 @@ def test_a_dead_decode_worker_hands_its_stream_to_the_other(server, client, offl
     deadline = time.time() + 120
     while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):
         time.sleep(0.02)
-    victim = busy_worker(server, "decode", 10)
+    victim = busy_worker(server, "decode", 60)
     assert victim is not None
     tb = threading.Thread(target=stream, args=(client, b, 300, out, "b"))
     tb.start()
@@ -167,7 +167,7 @@ def test_kill_9_of_the_server_leaves_nothing_of_any_pool(server):
     assert len(procs) >= 6
     pids = {str(p) for p in procs}
     server.stop(signal.SIGKILL)
-    deadline = time.time() + 5
+    deadline = time.time() + 30  # a hang guard: each worker notices its parent is gone
     while time.time() < deadline and any(alive(p) for p in procs):
         time.sleep(0.1)
     assert not any(alive(p) for p in procs)

@@ -259,8 +259,8 @@ def test_mirror_and_store_agree_over_thousands_of_random_sequences():
 
 
 def test_property_with_hypothesis():
-    hypothesis = pytest.importorskip("hypothesis")
-    st = hypothesis.strategies
+    import hypothesis  # the [test] extra
+    from hypothesis import strategies as st
 
     @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
     @hypothesis.given(st.integers(0, 2**32 - 1), st.integers(1, 60))

@@ -105,13 +105,13 @@ def test_a_worker_on_another_host_joins_and_serves(tiny_qwen2_vl, tmp_path):
             assert list(ex.map(ask, convs)) == wants
         served = {w["name"]: w["served"] for w in _decode_workers(s)}
         assert served["decode-h2"] >= 1 and served["decode-0"] >= 1, served
-        assert _wait(lambda: s.metric("triptych:kv_transfer_bytes_total") > 0, 5)
+        assert _wait(lambda: s.metric("triptych:kv_transfer_bytes_total") > 0, 60)
 
         # The remote worker dies: the router notices (no heartbeat) and stops using it.
         procs[0].kill()
         procs[0].wait(10)
         assert _wait(lambda: {w["name"]: w["state"] for w in _decode_workers(s)}
-                     .get("decode-h2") == "dead", 20)
+                     .get("decode-h2") == "dead", 60)  # hang guards, not speed claims
         assert _health(s)["status"] == "degraded"
         r = httpx.post(s.base + "/v1/chat/completions", timeout=60,
                        json={"messages": user(text_part("still up?")), "max_tokens": 3})

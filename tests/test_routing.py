@@ -41,3 +41,22 @@ def test_layouts_from_knobs():
     assert str(epd) == "1e2p3d" and epd.num_workers == 6
     assert epd.pools_for(has_media=False) == ["prefill", "decode"]  # text skips encode
     assert epd.pools_for(has_media=True) == ["encode", "prefill", "decode"]
+
+
+def test_kv_cache_memory_is_sized_per_pool():
+    def kv(**kw):
+        return Layout.from_config(EngineConfig(model="m", **kw)).kv_cache_memory
+    gib, mib = 1 << 30, 1 << 20
+    assert kv() == {"colocated": gib}
+    assert kv(decode_workers=2) == {"decode": gib}
+    # P+D: the prefill side holds prompts only until they are handed on; encode has no KV.
+    assert kv(encode_workers=1, prefill_workers=1, decode_workers=1) == {
+        "prefill": 256 * mib, "decode": gib}
+    # A value the user gives applies to every worker.
+    assert kv(prefill_workers=1, decode_workers=1, kv_cache_memory="2GiB") == {
+        "prefill": 2 * gib, "decode": 2 * gib}
+    lay = Layout.from_config(EngineConfig(model="m", encode_workers=1, prefill_workers=1,
+                                          decode_workers=1, kv_cache_memory="64MiB"))
+    assert lay.worker_knobs("prefill") == {"tensor_parallel_size": 1,
+                                           "kv_cache_memory": 64 * mib}
+    assert lay.worker_knobs("encode") == {"tensor_parallel_size": 1}

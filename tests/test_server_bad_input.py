@@ -31,7 +31,7 @@ from server_fixtures import (
     video_part,
 )
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402 (the [test] extra)
 MAX_BODY = 4 << 20
 
 
@@ -88,6 +88,9 @@ CASES = {
     "corrupt image": (user(image_part(data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 40))), 400,
                       "decode"),
     "truncated image": (user(image_part(data_url(png(img(5))[:60]))), 400, "decode"),
+    "corrupt second image": ([{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        text_part("Look:"), image_part(data_url(png(img(4)))),
+        image_part(data_url(png(img(5))[:60]))]}], 400, "decode"),
     "corrupt video": (user(video_part(data_url(os.urandom(2000), "video/mp4"))), 400, "decode"),
     "video too long": (user(video_part(VIDEO_5S)), 400, "long"),
     "bad base64": (user(image_part("data:image/png;base64,!!!notbase64")), 400, "base64"),
@@ -110,6 +113,15 @@ CASES = {
 }
 
 
+# One image or video refused: the refusal names its field (README: "names the field").
+IMAGE, VIDEO = "messages.0.content.0.image_url", "messages.0.content.0.video_url"
+FIELDS = {"too many pixels": IMAGE, "decompression bomb": IMAGE, "corrupt image": IMAGE,
+          "truncated image": IMAGE, "corrupt video": VIDEO, "video too long": VIDEO,
+          "bad base64": IMAGE, "ftp scheme": IMAGE, "file outside allowed dir": IMAGE,
+          "dotdot escape": IMAGE, "dotdot file url": IMAGE, "loopback ip url": IMAGE,
+          "localhost url": IMAGE, "corrupt second image": "messages.1.content.2.image_url"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_media_and_prompts(client, media_dir, files, name):
     messages, status, words = CASES[name]
@@ -121,6 +133,8 @@ def test_bad_media_and_prompts(client, media_dir, files, name):
     err = e.value.response.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
     assert words.lower() in err["message"].lower(), err["message"]
+    if name in FIELDS:
+        assert err["param"] == FIELDS[name], (name, err)
     assert not re.search(r"0x[0-9a-fA-F]{6,}|Traceback|File \"", err["message"])
     ok = client.chat.completions.create(model="tiny", messages=user(text_part("still there?")),
                                         max_tokens=2, temperature=0)
@@ -186,7 +200,7 @@ def test_health_then_a_killed_server_leaves_no_engine_behind(server):
     sockets = re.findall(r"sockets in (\S+)", server.log_path.read_text())[0]
     assert os.path.isdir(sockets)
     server.stop(signal.SIGKILL)
-    deadline = time.time() + 5
+    deadline = time.time() + 30  # a hang guard: each worker notices its parent is gone
     while time.time() < deadline and any(alive(p) for p in server.descendants):
         time.sleep(0.1)
     assert not any(alive(p) for p in server.descendants)

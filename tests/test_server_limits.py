@@ -292,7 +292,7 @@ def test_overflowing_numbers_never_leak_a_slot(server):
     for t in threads:
         t.join(60)
     assert ok == [200] * MAX_PENDING  # every slot is still free
-    assert server.wait_running(0, 3) == 0
+    assert server.wait_running(0, 60) == 0  # a hang guard: the gauge follows the stats push
 
 
 def test_symlink_swaps_never_read_outside_the_root(server, media_dir):

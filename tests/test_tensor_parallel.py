@@ -44,6 +44,7 @@ def parity_mix() -> list[list[dict]]:
 
 
 def wait_until(cond, timeout: float, what: str) -> None:
+    """Poll ``cond``; ``timeout`` is a hang guard, never a speed claim."""
     deadline = time.time() + timeout
     while not cond():
         assert time.time() < deadline, f"timed out waiting for {what}"
@@ -78,7 +79,7 @@ def test_tp2_equals_tp1_and_hf_on_the_parity_mix(arch, mode, request):
         (again,) = two.chat([convs[0]], GREEDY, use_tqdm=False)  # prefix hit, image included
         assert again.num_cached_tokens > 0
         assert again.outputs[0].token_ids == got[0].outputs[0].token_ids
-        wait_until(lambda: two.pools.stats().get("num_preemptions_total", 0) > 0, 5,
+        wait_until(lambda: two.pools.stats().get("num_preemptions_total", 0) > 0, 120,
                    "the TP=2 worker to report its preemptions")
     finally:
         two.close()
@@ -100,7 +101,7 @@ def test_kv_moves_between_groups_of_different_sizes(tiny_qwen2_vl):
     try:
         got = pd.chat(convs, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
-        wait_until(lambda: pd.pools.stats().get("kv_transfers_total", 0) >= 3, 5,
+        wait_until(lambda: pd.pools.stats().get("kv_transfers_total", 0) >= 3, 120,
                    "the prefill worker to report its transfers")
     finally:
         pd.close()
@@ -119,7 +120,7 @@ def test_kv_moves_rank_to_rank_between_groups_of_the_same_size(tiny_qwen2_vl):
         got = pd.chat(convs, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
         # (rank-to-rank counts messages, several per chunked request: wait on whole requests)
-        wait_until(lambda: pd.pools.stats().get("kv_transfers_total", 0) >= 3, 5,
+        wait_until(lambda: pd.pools.stats().get("kv_transfers_total", 0) >= 3, 120,
                    "the prefill worker to report its three transfers")
         s = pd.pools.stats()
         assert s["kv_transfer_rank_to_rank_total"] >= s["kv_transfers_total"] >= 3
@@ -235,7 +236,7 @@ def test_kill_a_rank_ends_the_group_cleanly(tiny_qwen2_vl):
     try:
         worker = router.supervisor.workers[0]
         rank0 = worker.pid
-        wait_until(lambda: len(_children(rank0)) == 1, 10, "rank 1")
+        wait_until(lambda: len(_children(rank0)) == 1, 120, "rank 1")
         (rank1,) = _children(rank0)
         seen += [rank0, rank1]
         result: dict = {}
@@ -249,28 +250,28 @@ def test_kill_a_rank_ends_the_group_cleanly(tiny_qwen2_vl):
 
         t = threading.Thread(target=run)
         t.start()
-        wait_until(lambda: worker.stats.get("num_requests_running", 0) > 0, 20,
+        wait_until(lambda: worker.stats.get("num_requests_running", 0) > 0, 120,
                    "the request to run")
         os.kill(rank1, signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the request hung after its rank died"
         assert "error" in result and "no live worker" in str(result["error"])
-        wait_until(lambda: not alive(rank0), 10, "rank 0 to exit")
+        wait_until(lambda: not alive(rank0), 120, "rank 0 to exit")
         # the supervisor restarts the whole group; it serves again
-        wait_until(lambda: worker.state == "up" and worker.pid != rank0, 30, "the restart")
+        wait_until(lambda: worker.state == "up" and worker.pid != rank0, 120, "the restart")
         new0 = worker.pid
-        wait_until(lambda: len(_children(new0)) == 1, 10, "the new rank 1")
+        wait_until(lambda: len(_children(new0)) == 1, 120, "the new rank 1")
         seen += [new0, *_children(new0)]
         (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4),
                               use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4
         # rank 0 killed: its rank goes with it (parent-death signal)
         os.kill(new0, signal.SIGKILL)
-        wait_until(lambda: not any(alive(p) for p in seen[2:]), 10, "the orphaned rank to exit")
-        wait_until(lambda: worker.state == "up" and worker.pid != new0, 30, "the second restart")
+        wait_until(lambda: not any(alive(p) for p in seen[2:]), 120, "the orphaned rank to exit")
+        wait_until(lambda: worker.state == "up" and worker.pid != new0, 120, "the second restart")
         seen += [worker.pid, *_children(worker.pid)]
     finally:
         llm.close()
-    wait_until(lambda: not any(alive(p) for p in seen), 10, "every rank to exit")
+    wait_until(lambda: not any(alive(p) for p in seen), 120, "every rank to exit")
     assert not [d for d in os.listdir(tempfile.gettempdir()) if any(
         d.startswith(f"triptych-{p}-ipc-tp-") for p in seen)]

@@ -64,10 +64,16 @@ def test_auto_classes_load_offline(ckpt, monkeypatch):
     out = ip(images=[img(0, 224, 224)], return_tensors="pt")
     assert out["image_grid_thw"].tolist() == [[1, 16, 16]]  # 224x224 keeps its size
     assert AutoTokenizer.from_pretrained(ckpt).chat_template
-    try:  # the snag documented in models/tiny.py: no torchvision, no AutoProcessor
-        AutoProcessor.from_pretrained(ckpt)
-    except (ValueError, ImportError, AttributeError) as e:
-        assert "torchvision" in str(e) or "video" in str(e).lower()
+    # The snag documented in models/tiny.py: no torchvision, no AutoProcessor (so triptych
+    # needs neither); with a working torchvision it loads.
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - PyPI's build fails to import beside the CPU torch
+        with pytest.raises((ValueError, ImportError, AttributeError),
+                           match=r"(?i)torchvision|video"):
+            AutoProcessor.from_pretrained(ckpt)
+    else:
+        assert AutoProcessor.from_pretrained(ckpt) is not None
 
 
 def test_chat_template_renders_qwen2_vl_chatml(tiny_qwen2_vl):

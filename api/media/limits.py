@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 
 class MediaError(ValueError):
-    """Bad or refused media; the message is safe to show to the client."""
+    """Bad or refused media; the message is safe to show to the client. ``param`` names the
+    request field that held it (``messages.0.content.1.image_url``, the dotted style of
+    every other refusal) once that is known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PixelBudget:

@@ -40,23 +40,26 @@ class MediaFetcher:
         """Replace every http(s) image/video URL in ``messages`` (in place) by its bytes.
         The first failure cancels the other fetches and is raised (MediaError)."""
         jobs = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.get("content")
-            for part in content if isinstance(content, list) else []:
+            for j, part in enumerate(content if isinstance(content, list) else []):
                 kind = _KINDS.get(part.get("type", ""))
                 ref = part.get(part.get("type", "")) if kind else None
                 if isinstance(ref, dict) and isinstance(ref.get("url"), str) and \
                         is_remote(ref["url"]):
                     part[part["type"]] = ref = dict(ref)  # never mutate the caller's dict
-                    jobs.append((ref, kind))
+                    jobs.append((ref, kind, f"messages.{i}.content.{j}.{part['type']}"))
         if not jobs:
             return
-        tasks = [asyncio.ensure_future(self._one(ref, kind, limits)) for ref, kind in jobs]
+        tasks = [asyncio.ensure_future(self._one(ref, kind, limits)) for ref, kind, _ in jobs]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
+            for t, (_, _, field) in zip(tasks, jobs):
+                if t in done and t.exception() is not None:
+                    e = t.exception()
+                    if isinstance(e, MediaError) and e.param is None:
+                        e.param = field
+                    raise e
         finally:
             for t in tasks:
                 t.cancel()
