@@ -1,7 +1,7 @@
 """`triptych bench serve --layouts colocated,1e1pd,1e1p1d`: one load, every layout, one run.
 
 For each layout it starts `triptych serve` (loopback, a free port), waits for /health, drives
-the same image-heavy load at every --request-rate (bench_serve.sweep), reads what moved
+the same image-heavy load at every --request-rate (bench/load.py), reads what moved
 between pools from /metrics, and stops the server. It prints TTFT and ITL p50/p99, output
 tok/s and goodput per layout and rate, the transfer cost per request, and draws one PNG.
 
@@ -98,7 +98,7 @@ def warmup(args: argparse.Namespace, base: str) -> None:
     """A few requests first, not recorded: the first steps of a fresh server allocate."""
     import copy
 
-    from triptych.bench.serve import sweep
+    from triptych.bench.load import sweep
     w = copy.copy(args)
     w.num_requests, w.request_rate, w.seed = 4, "inf", args.seed + 99_999
     import contextlib
@@ -120,7 +120,7 @@ def _transfer(before: dict[str, float], after: dict[str, float], requests: int) 
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from triptych.bench.serve import output_path, sweep
+    from triptych.bench.load import output_path, sweep
     from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
 
     model = args.serve_model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)

@@ -33,7 +33,7 @@ CONFIGS = {
 
 
 def add_parser(sub: Any) -> None:
-    from triptych.bench.serve import add_output_args
+    from triptych.bench.load import add_output_args
 
     p = sub.add_parser("multiturn", help="multi-turn image chats: each cache's effect on TTFT",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -52,8 +52,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _images(rng: np.random.Generator, size: int) -> list[str]:
-    from triptych.bench.serve import _image_url
-    return [_image_url(rng, size) for _ in range(2)]
+    from triptych.bench.load import image_url
+    return [image_url(rng, size) for _ in range(2)]
 
 
 async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tokens: int
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     import shlex
 
     from triptych.bench.layouts import serving
-    from triptych.bench.serve import output_path
+    from triptych.bench.load import output_path
     from triptych.models.demo import BENCH_FLAGS, DEMO_FLAGS, tiny_checkpoint
 
     model = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)

@@ -61,7 +61,8 @@ def add_parser(subparsers: Any) -> None:
                    help="run a CPU-spinning process during the rounds (a noisy neighbour)")
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
-    from triptych.bench import multiturn as bench_multiturn, serve as bench_serve
+    from triptych.bench import multiturn as bench_multiturn
+    from triptych.bench import serve as bench_serve
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
 
@@ -101,8 +102,8 @@ def _spinner() -> subprocess.Popen:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from triptych.engine.sampling_params import SamplingParams
-    from triptych.worker.threads import apply_thread_policy
     from triptych.llm import LLM
+    from triptych.worker.threads import apply_thread_policy
 
     threads = apply_thread_policy(args.cpu_threads)
     w = _resolve(args)

@@ -45,9 +45,9 @@ def time_encoder(fn: Any, pixels: torch.Tensor, grid: torch.Tensor, reps: int) -
 def encoder_figures(model_dir: str, tp: int, reps: int) -> dict[str, float]:
     from triptych.config import EngineConfig
     from triptych.engine.engine_core import ModelShape
+    from triptych.models import load_model
     from triptych.parallel.group import start_group
     from triptych.parallel.runner import TPEncoder
-    from triptych.models import load_model
 
     pixels, grid = mixed_batch(0)
     out: dict[str, float] = {}
@@ -124,8 +124,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of every setting, alternating (medians reported)")
     args = ap.parse_args()
-    from triptych.worker.threads import apply_thread_policy
     from triptych.models.demo import BENCH_FLAGS, tiny_checkpoint
+    from triptych.worker.threads import apply_thread_policy
 
     apply_thread_policy(None)
     model_dir = args.model or tiny_checkpoint("qwen2_vl", **BENCH_FLAGS)
