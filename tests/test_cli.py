@@ -250,6 +250,14 @@ class Chat:
             assert chunk, f"chat ended before {text!r}: {self.out[-2000:]!r}"
             self.out += chunk
 
+    def wait_reading(self) -> None:
+        """Until the chat blocks reading stdin. NOTE: input() prints its prompt before it
+        reads; a SIGINT in between would wait for the next line (CPython checks signals
+        between bytecodes), so a test that saw the prompt waits for the read itself."""
+        from server_fixtures import wait_for
+        wait_for(lambda: "pipe_read" in open(f"/proc/{self.proc.pid}/wchan").read(),
+                 "the chat to wait for input")
+
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
@@ -287,6 +295,7 @@ def test_chat_ctrl_c_stops_an_answer_then_quits_at_the_prompt(tiny_qwen2_vl):
     chat.until("you> ")
     chat.send("/help")  # the conversation goes on
     chat.until("you> ")
+    chat.wait_reading()
     chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
     code, err = chat.finish()
     assert code == 0, err

@@ -299,7 +299,11 @@ def test_kill_9_then_a_new_writer_removes_the_stale_segment():
     try:
         assert {old, live_name} <= set(list_segments())
         p.send_signal(signal.SIGKILL)  # P0 dies without cleaning up
-        time.sleep(0.2)  # not reaped yet: a zombie counts as dead
+        # Dead but not reaped yet: a zombie counts as dead (waited for as an event).
+        deadline = time.monotonic() + 60  # a hang guard
+        while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed writer never became a zombie"
+            time.sleep(0.01)
         assert old in list_segments()
         w = ShmRingWriter(1 << 16)  # a new P0 starts: stale segments go
         assert old not in list_segments()
