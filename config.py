@@ -45,7 +45,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) computed in one step at most
     block_size: int = 16  # tokens per KV cache block
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use (weights + KV)
-    kv_cache_memory: int | str = "1GiB"  # CPU: bytes of KV cache of each engine worker, e.g. '2GiB', '512MiB': every prefill and decode worker of a layout takes its own (1e1p1d: twice this); encode workers hold none
+    kv_cache_memory: int | str = "1GiB"  # CPU: bytes of KV cache of each engine worker, e.g. '2GiB', '512MiB'. Left at its default, each colocated or decode worker takes 1GiB and each prefill worker of P+D 512MiB (it holds a prompt only until the decode side has it); set, every prefill and decode worker takes this much. Encode workers hold none
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (vLLM: num_gpu_blocks_override; testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing

@@ -115,6 +115,13 @@ class EngineCore:
         if n >= self.max_model_len:
             raise ValueError(f"the request holds {n} tokens but max_model_len is "
                              f"{self.max_model_len}")
+        # NOTE: a prompt that needs more blocks than the pool holds would wait for room
+        # forever; refuse it here, naming the knob (a P+D prefill worker's default is small).
+        blocks = -(-(n + 1) // self.config.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks but this worker's KV cache "
+                             f"holds {self.num_blocks}: raise --kv-cache-memory (or "
+                             "--num-kv-blocks) or send a shorter prompt")
         positions, delta = self._mrope(len(prompt_token_ids), mm_items,
                                        self.shape.spatial_merge_size, self.shape.tokens_per_second)
         # Video frame spacing can push M-RoPE positions past the token count (and past

@@ -19,7 +19,7 @@ from triptych.config import EngineConfig, parse_size
 # request's blocks to the end of its answer; a prefill worker of P+D keeps a prompt's blocks
 # only until they are handed to a decode worker, so it needs far less. Encode workers hold
 # no KV cache.
-POOL_KV_CACHE_MEMORY = {"colocated": 1 << 30, "decode": 1 << 30, "prefill": 256 << 20}
+POOL_KV_CACHE_MEMORY = {"colocated": 1 << 30, "decode": 1 << 30, "prefill": 512 << 20}
 _DEFAULT_KV_CACHE_MEMORY = next(f.default for f in dataclasses.fields(EngineConfig)
                                 if f.name == "kv_cache_memory")
 

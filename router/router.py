@@ -109,7 +109,7 @@ class Router:
         for pool, n in self.layout.pools.items():
             for i in range(n):
                 self.supervisor.spawn(self.registry.add_local(
-                    pool, i, dict(config, tensor_parallel_size=self.layout.tp[pool]),
+                    pool, i, dict(config, **self.layout.worker_knobs(pool)),
                     next(threads)))
         self._tasks = [asyncio.create_task(intake.read_loop(sockets.local, remote=False)),
                        asyncio.create_task(self.supervisor.watch())]

@@ -44,7 +44,7 @@ def user(*parts: dict) -> list[dict]:
 
 
 def test_prompt_longer_than_max_model_len(llm):
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
         llm.generate("word " * 400, SP, use_tqdm=False)
     works(llm)
 
@@ -122,3 +122,15 @@ def test_missing_tensor(tiny_qwen2_vl, tmp_path):
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="mlp"):
         LLM(str(d))
+
+
+def test_prompt_that_needs_more_kv_blocks_than_the_worker_holds(tiny_qwen2_vl):
+    # 4 blocks of 16 tokens hold 64; a 100-token prompt would wait for room forever.
+    small = LLM(tiny_qwen2_vl, max_model_len=256, num_kv_blocks=4, block_size=16)
+    try:
+        with pytest.raises(ValueError, match=r"needs 7 KV blocks .* holds 4: raise --kv-cache-memory"):
+            small.generate([list(range(10, 110))], SP, use_tqdm=False)
+        (out,) = small.generate([list(range(10, 40))], SP, use_tqdm=False)  # still serving
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        small.close()

@@ -51,7 +51,7 @@ def test_kv_cache_memory_is_sized_per_pool():
     assert kv(decode_workers=2) == {"decode": gib}
     # P+D: the prefill side holds prompts only until they are handed on; encode has no KV.
     assert kv(encode_workers=1, prefill_workers=1, decode_workers=1) == {
-        "prefill": 256 * mib, "decode": gib}
+        "prefill": 512 * mib, "decode": gib}
     # A value the user gives applies to every worker.
     assert kv(prefill_workers=1, decode_workers=1, kv_cache_memory="2GiB") == {
         "prefill": 2 * gib, "decode": 2 * gib}
