@@ -38,7 +38,15 @@ class RouterThread:
         atexit.register(self.close)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # NOTE: Ctrl-C (KeyboardInterrupt) in the caller's thread: cancel the work on
+            # the router's loop too, so its requests are aborted in the workers rather than
+            # left running for nobody.
+            fut.cancel()
+            raise
 
     def run(self, requests: list[tuple[str, ProcessedPrompt, SamplingParams]],
             on_done: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
