@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.llm_engine import LLMEngine
 from triptych.engine.outputs import RequestOutput

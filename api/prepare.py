@@ -14,7 +14,8 @@ from triptych.api.errors import APIError
 from triptych.api.media.decode import MediaError, PixelBudget
 from triptych.api.media.prefetch import MediaFetcher
 from triptych.api.openai_format import PromptInfo
-from triptych.api.processor import InputProcessor, ProcessedPrompt
+from triptych.api.processor import InputProcessor
+from triptych.router.prompt import ProcessedPrompt
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import (
     ServerLimits,

@@ -35,6 +35,7 @@ from triptych.api.sampling_checks import context_message
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
 from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex
+from triptych.router.prompt import ProcessedPrompt
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>")
@@ -67,16 +68,6 @@ class _Counts:
     processed: int = 0  # items run through decode + HF processor
     lock: threading.Lock = field(default_factory=threading.Lock)  # prompts are processed
     # in a thread pool
-
-
-@dataclass
-class ProcessedPrompt:
-    prompt_token_ids: list[int]  # placeholders already expanded
-    mm_items: list[MMItem] = field(default_factory=list)  # in placeholder order
-    prompt_text: str | None = None  # the text before expansion (None for token-id prompts)
-    # NOTE: one per item, same order; an item with pixel_values=None (a processor-cache
-    # hit) gets its pixels from here. Drop them once the request is dispatched.
-    mm_sources: list[MediaSource] = field(default_factory=list)
 
 
 class InputProcessor:

@@ -25,7 +25,7 @@ from triptych.router.router import EngineDeadError
 from triptych.api.errors import APIError
 from triptych.api.metrics import Metrics, RequestTimes
 from triptych.api.openai_format import Choice, Formatter, PromptInfo
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 from triptych.worker import wire
 from triptych.engine.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from triptych.api.errors import bad_request
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 
 
 def keep_count(requested: int, max_model_len: int, max_tokens: int | None) -> int:

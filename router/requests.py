@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 from triptych.engine.outputs import EngineCoreOutput
 from triptych.engine.sampling_params import SamplingParams
 from triptych.router.handle import WorkerHandle

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.engine.block_hash import chain_hashes
 from triptych.engine.output_processor import OutputProcessor

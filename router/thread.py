@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from triptych.api.processor import ProcessedPrompt
+from triptych.router.prompt import ProcessedPrompt
 from triptych.router.router import Router
 from triptych.config import EngineConfig
 from triptych.engine.outputs import RequestOutput

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from triptych.api.media.decode import MediaError, MediaLimits
-from triptych.api.processor import InputProcessor, ProcessedPrompt
+from triptych.api.processor import InputProcessor
+from triptych.router.prompt import ProcessedPrompt
 from triptych.mmcache.hashing import hash_image, hash_video
 
 
