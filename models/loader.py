@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from triptych.models.registry import resolve_model_class
+from triptych.models.contract import contract_for
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -63,10 +63,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    cls = resolve_model_class(getattr(config, "architectures", None))
-    extra = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
-    model = cls(config, dtype=dtype, device=device, attention_backend=attention_backend,
-                **extra)
+    model = contract_for(config).build(config, dtype, device, attention_backend, tp=tp,
+                                       shard_vision=shard_vision)
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
     if cpu_gemm == "onednn" and torch.device(device).type == "cpu" and dtype == torch.float32:

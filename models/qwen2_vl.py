@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
+from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 
@@ -226,6 +227,13 @@ class Qwen2VLForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]."""
         return self.language_model.embed_tokens(input_ids)
+
+    def merge_vision(self, embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]
+                     ) -> dict[str, Any]:
+        """Write the items' embedding rows over their placeholders (the payload is the
+        embedding alone: nothing else for ``forward``)."""
+        write_vision_rows(embeds, spans)
+        return {}
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

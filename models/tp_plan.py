@@ -66,6 +66,11 @@ def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
     sizes that do not divide and the tensor_parallel_size values that work."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    from triptych.models.contract import contract_for
+
+    if size > 1 and not contract_for(hf).supports_tensor_parallel:
+        raise ValueError(f"{hf.model_type} has no tensor-parallel plan yet: use "
+                         "tensor_parallel_size=1")
     cons = _constraints(hf, shard_vision=encoder_mode == "weights")
     bad = [f"{name}={n}" for name, n, rep in cons if not _fits(size, n, rep)]
     if not bad:

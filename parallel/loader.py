@@ -59,7 +59,7 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
                                shard_vision=group is None or group.encoder_mode == "weights",
                                cpu_gemm=config.cpu_gemm)
         encode_fn = model.encode_images if group is None else \
-            TPEncoder(group, model, shape.hidden_size, dtype)
+            TPEncoder(group, model, shape.payload_width, dtype)
         encoder = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
                                 dtype)
         loaded = LoadedModel(model, hf, shape, device, dtype, backend, max_model_len, encoder,

@@ -49,7 +49,7 @@ class ModelWorker(Handler):
             self.pixels = pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
             if data_plane:
                 self.connector = data_endpoint(config, spec)
-                self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
+                self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.payload_width,
                                             self.core.dtype, config.kv_transfer_timeout)
         except BaseException:
             if pixels is not None:
