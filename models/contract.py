@@ -78,11 +78,14 @@ class ModelContract:
         raise NotImplementedError
 
     def build(self, hf: Any, dtype: torch.dtype, device: str, attention_backend: str,
-              tp: Any = None, shard_vision: bool = True) -> Any:
+              tp: Any = None, shard_vision: bool = True, parts: str = "all") -> Any:
         """The module on ``device`` with garbage weights (``load_weights`` fills them); with
-        ``tp``, this rank's shard (the contract's TP plan applied on the meta device)."""
+        ``tp``, this rank's shard (the contract's TP plan applied on the meta device);
+        ``parts``: all | vision | language (models/weight_parts.py)."""
         self.check(hf)
-        extra = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
+        extra: dict[str, Any] = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
+        if parts != "all":
+            extra["parts"] = parts
         return self.model_class()(hf, dtype=dtype, device=device,
                                   attention_backend=attention_backend, **extra)
 

@@ -52,10 +52,13 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str,
                attention_backend: str = "torch", tp: TPContext | None = None,
-               shard_vision: bool = True, cpu_gemm: str = "torch") -> tuple[Any, Any]:
+               shard_vision: bool = True, cpu_gemm: str = "torch", parts: str = "all"
+               ) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, HF config) from a local checkpoint directory.
 
     With ``tp``, this rank's shard of the model (``shard_vision`` False: whole vision tower).
+    ``parts``: build and read only the vision tower or only the language model
+    (models/weight_parts.py); the other part's tensors are never read from the files.
     ``cpu_gemm="onednn"``: an fp32 model on the CPU runs its linear layers (and LM head) on
     weights packed for oneDNN (kernels/cpu_linear.py); the engine's processes ask for it.
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
@@ -64,7 +67,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model = contract_for(config).build(config, dtype, device, attention_backend, tp=tp,
-                                       shard_vision=shard_vision)
+                                       shard_vision=shard_vision, parts=parts)
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
     if cpu_gemm == "onednn" and torch.device(device).type == "cpu" and dtype == torch.float32:

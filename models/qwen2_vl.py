@@ -22,6 +22,7 @@ from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear, Shard
+from triptych.models.weight_parts import check_parts, holds
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
@@ -178,8 +179,9 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attention_backend: str = "torch", tp: TPContext | None = None,
-                 shard_vision: bool = True) -> None:
+                 shard_vision: bool = True, parts: str = "all") -> None:
         super().__init__()
+        self.parts = check_parts(parts)  # which submodules this process builds and loads
         if config.model_type not in _VISION:
             raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(_VISION)}")
         text = getattr(config, "text_config", None) or config
@@ -197,11 +199,15 @@ class Qwen2VLForCausalLM(nn.Module):
         self._head_gemm: Any = None  # CpuGemm: a packed copy of the head, made on first use
         # Build on the meta device: no random init, no fp32 copy of a big model on the host.
         with torch.device("meta"):
-            self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
-            self.language_model = Qwen2TextModel(text, self.ops)
-            if not self.tie_word_embeddings:
-                self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            if parts != "language":
+                self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
+            if parts != "vision":
+                self.language_model = Qwen2TextModel(text, self.ops)
+                if not self.tie_word_embeddings:
+                    self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         if tp is not None and tp.size > 1:
+            if parts != "all":
+                raise ValueError("a tensor-parallel group loads every part of the model")
             from triptych.models.tp_plan import shard_qwen2_vl
             shard_qwen2_vl(self, tp, shard_vision)
         self.to(dtype=dtype)
@@ -222,7 +228,7 @@ class Qwen2VLForCausalLM(nn.Module):
 
     @property
     def spatial_merge_size(self) -> int:
-        return self.visual.merge
+        return self.config.vision_config.spatial_merge_size
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]."""
@@ -260,7 +266,10 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                       ) -> list[torch.Tensor]:
-        """Vision embeddings, one [t*h*w / merge**2, hidden] tensor per item (images or videos)."""
+        """Encoder payloads, one [t*h*w / merge**2, payload width] tensor per item."""
+        if self.parts == "language":
+            raise ValueError("this worker loaded the language model only (no vision tower): "
+                             "its images must come encoded from the encode pool")
         emb = self.visual(pixel_values, grid_thw)
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
         return list(emb.split(sizes))
@@ -293,6 +302,8 @@ class Qwen2VLForCausalLM(nn.Module):
             name = map_checkpoint_name(ckpt_name)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
+            if name is not None and not holds(self.parts, name):
+                continue  # a part this process does not run: never read
             pieces = table.get(name) if name is not None else None
             if pieces is None:
                 unexpected.append(ckpt_name)

@@ -29,6 +29,7 @@ from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear
 from triptych.models.qwen2_vl import Qwen2MLP, Qwen2VLForCausalLM, RMSNorm, rope_config
 from triptych.models.qwen3_vl_vision import Qwen3VisionTransformer
+from triptych.models.weight_parts import check_parts
 
 if TYPE_CHECKING:
     from triptych.parallel.context import TPContext
@@ -129,8 +130,9 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attention_backend: str = "torch", tp: TPContext | None = None,
-                 shard_vision: bool = True) -> None:
+                 shard_vision: bool = True, parts: str = "all") -> None:
         nn.Module.__init__(self)
+        self.parts = check_parts(parts)
         if tp is not None and tp.size > 1:
             raise ValueError("qwen3_vl has no tensor-parallel plan yet: use "
                              "tensor_parallel_size=1")
@@ -148,10 +150,12 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         self.pack_head = False
         self._head_gemm: Any = None
         with torch.device("meta"):
-            self.visual = Qwen3VisionTransformer(config.vision_config, attention_backend)
-            self.language_model = Qwen3TextModel(text, self.head_dim, self.ops)
-            if not self.tie_word_embeddings:
-                self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            if parts != "language":
+                self.visual = Qwen3VisionTransformer(config.vision_config, attention_backend)
+            if parts != "vision":
+                self.language_model = Qwen3TextModel(text, self.head_dim, self.ops)
+                if not self.tie_word_embeddings:
+                    self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.to(dtype=dtype)
         self.to_empty(device=device)
         self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,
@@ -185,7 +189,8 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
             return super().load_weights(weights)
         except ValueError as e:
             if "deepstack_merger_list" in str(e):
+                idx = list(self.config.vision_config.deepstack_visual_indexes)
                 raise ValueError(f"the checkpoint lacks Qwen3-VL's DeepStack mergers "
                                  f"(visual.deepstack_merger_list.*) for deepstack_visual_"
-                                 f"indexes {self.visual.deepstack_indexes}: {e}") from None
+                                 f"indexes {idx}: {e}") from None
             raise

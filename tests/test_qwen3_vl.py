@@ -145,6 +145,14 @@ def test_one_encode_one_prefill_one_decode(tiny, oracle, llm):
     try:
         outs = pools.chat(convs, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
+        # each pool holds only what it runs, as its workers measure their parameters
+        import time
+        time.sleep(0.6)  # every worker reports its stats each 0.25 s
+        s = pools.pools.stats()
+        assert s["pool/encode/weight_bytes_language"] == 0 < s["pool/encode/weight_bytes_vision"]
+        for pool in ("prefill", "decode"):
+            assert s[f"pool/{pool}/weight_bytes_vision"] == 0
+            assert s[f"pool/{pool}/weight_bytes_language"] > 0
     finally:
         pools.close()
 
