@@ -36,6 +36,7 @@ _CONTRACTS: dict[str, tuple[str, str]] = {
     "qwen2_vl": ("triptych.models.qwen2_vl_contract", "Qwen2VLContract"),
     "qwen2_5_vl": ("triptych.models.qwen2_vl_contract", "Qwen2VLContract"),
     "qwen3_vl": ("triptych.models.qwen3_vl_contract", "Qwen3VLContract"),
+    "qwen3_vl_moe": ("triptych.models.qwen3_vl_contract", "Qwen3VLMoeContract"),
 }
 
 

@@ -26,6 +26,7 @@ from triptych.kernels import get_ops
 from triptych.kernels import torch_ref
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows
+from triptych.models.fused_moe import SparseMoeBlock
 from triptych.models.parallel_layers import FusedLinear
 from triptych.models.qwen2_vl import Qwen2MLP, Qwen2VLForCausalLM, RMSNorm, rope_config
 from triptych.models.qwen3_vl_vision import Qwen3VisionTransformer
@@ -81,11 +82,22 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v).reshape(t, -1))
 
 
+def is_sparse_layer(text: Any, layer_idx: int) -> bool:
+    """Whether a layer's MLP is a mixture of experts (Qwen3-VL-MoE's rule: every
+    ``decoder_sparse_step``-th layer not listed in ``mlp_only_layers``)."""
+    n = getattr(text, "num_experts", 0) or 0
+    return n > 0 and layer_idx not in (getattr(text, "mlp_only_layers", None) or []) and \
+        (layer_idx + 1) % getattr(text, "decoder_sparse_step", 1) == 0
+
+
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, text: Any, layer_idx: int, head_dim: int, ops: Any) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(text, layer_idx, head_dim, ops)
-        self.mlp = Qwen2MLP(text.hidden_size, text.intermediate_size)
+        self.mlp: nn.Module = Qwen2MLP(text.hidden_size, text.intermediate_size)
+        if is_sparse_layer(text, layer_idx):
+            self.mlp = SparseMoeBlock(text.hidden_size, text.moe_intermediate_size,
+                                      text.num_experts, text.num_experts_per_tok)
         self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
 
@@ -123,8 +135,39 @@ class Qwen3TextModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
+class _Transposed:
+    """A stacked-experts checkpoint tensor stored [E, in, out] (the hub's layout), read as
+    the [E, out, in] our parameter has (HF's loader transposes it the same way)."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        e, a, b = tuple(tensor.shape)
+        self.shape = (e, b, a)
+
+    def read(self, dim: int = 0, src: tuple[int, int] | None = None) -> torch.Tensor:
+        whole = self.tensor if isinstance(self.tensor, torch.Tensor) else self.tensor.read()
+        out = whole.transpose(1, 2).contiguous()
+        return out if src is None else out.narrow(dim, src[0], src[1] - src[0])
+
+
+def _experts_as_params(weights: Iterable[tuple[str, Any]], params: Iterable[tuple[str, Any]]
+                       ) -> Iterable[tuple[str, Any]]:
+    """Pass checkpoint tensors on, transposing stacked experts whose two last dims are
+    swapped relative to the parameter (only when the shapes say so unambiguously)."""
+    want = {name.rsplit("layers.", 1)[-1]: tuple(p.shape) for name, p in params
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for name, tensor in weights:
+        shape = tuple(tensor.shape)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3:
+            w = want.get(name.rsplit("layers.", 1)[-1])
+            if w is not None and shape != w and (shape[0], shape[2], shape[1]) == w:
+                tensor = _Transposed(tensor)
+        yield name, tensor
+
+
 class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
-    """Qwen3-VL dense on flat token batches (one process; no tensor-parallel plan yet)."""
+    """Qwen3-VL dense and MoE (experts by config) on flat token batches (one process; no
+    tensor-parallel plan yet)."""
 
     supports_encoder_data_parallel = True
 
@@ -186,7 +229,7 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         try:
-            return super().load_weights(weights)
+            return super().load_weights(_experts_as_params(weights, self.named_parameters()))
         except ValueError as e:
             if "deepstack_merger_list" in str(e):
                 idx = list(self.config.vision_config.deepstack_visual_indexes)

@@ -49,3 +49,24 @@ class Qwen3VLContract(ModelContract):
         from triptych.models.tiny_qwen3_vl import make_tiny_qwen3_vl
 
         return make_tiny_qwen3_vl(out_dir, **kw)
+
+
+class Qwen3VLMoeContract(Qwen3VLContract):
+    """Qwen3-VL-MoE: the same tower, positions and payload; the decoder's MLPs are
+    mixtures of experts (models/fused_moe.py), chosen per layer by the config."""
+
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    model_types = ("qwen3_vl_moe",)
+
+    def check(self, hf: Any) -> None:
+        super().check(hf)
+        text = self.text_config(hf)
+        if not getattr(text, "num_experts", 0) or text.num_experts_per_tok > text.num_experts:
+            raise ValueError(f"a Qwen3-VL-MoE config needs num_experts >= num_experts_per_tok "
+                             f"> 0, got {getattr(text, 'num_experts', None)} and "
+                             f"{getattr(text, 'num_experts_per_tok', None)}")
+
+    def make_tiny(self, arch: str, out_dir: str, **kw: Any) -> str:
+        from triptych.models.tiny_qwen3_vl import make_tiny_qwen3_vl
+
+        return make_tiny_qwen3_vl(out_dir, moe=True, **kw)

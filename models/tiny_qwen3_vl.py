@@ -1,4 +1,4 @@
-"""A tiny random HF-format Qwen3-VL checkpoint (``make-tiny --arch qwen3_vl``).
+"""A tiny random HF-format Qwen3-VL (or -MoE) checkpoint (``make-tiny --arch qwen3_vl[_moe]``).
 
 HF's own Qwen3VLForConditionalGeneration with random weights under a seed, the same
 locally trained tokenizer and ChatML template as the Qwen2-VL tiny checkpoints (Qwen3-VL
@@ -18,9 +18,11 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                        vision_depth: int = 3, vision_embed_dim: int = 32, vision_heads: int = 2,
                        vocab_size: int = 1024, model_vocab_size: int | None = None,
                        init_std: float | None = None, max_position_embeddings: int = 8192,
+                       moe: bool = False, num_experts: int = 4, num_experts_per_tok: int = 2,
                        **_ignored: Any) -> str:
     """Write the checkpoint to ``out_dir``; returns it. ``head_dim`` defaults to twice
-    hidden / heads (Qwen3 states its own); DeepStack taps every vision block but the last."""
+    hidden / heads (Qwen3 states its own); DeepStack taps every vision block but the last.
+    ``moe``: Qwen3-VL-MoE, every layer but the last sparse (so both MLP kinds are tested)."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -47,18 +49,25 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                 initializer_range=std, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                 tie_word_embeddings=True)
+    if moe:
+        text.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                    moe_intermediate_size=hidden_size // 2 + 8, decoder_sparse_step=1,
+                    mlp_only_layers=[num_layers - 1] if num_layers > 1 else [])
     vision = dict(depth=vision_depth, hidden_size=vision_embed_dim, num_heads=vision_heads,
                   intermediate_size=vision_embed_dim * 2, out_hidden_size=hidden_size,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   num_position_embeddings=64, deepstack_visual_indexes=list(range(vision_depth - 1)),
                   initializer_range=std)
-    cfg = transformers.Qwen3VLConfig(
+    cfg_cls = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    cls = transformers.Qwen3VLMoeForConditionalGeneration if moe else \
+        transformers.Qwen3VLForConditionalGeneration
+    cfg = cfg_cls(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
-    cfg.architectures = ["Qwen3VLForConditionalGeneration"]
+    cfg.architectures = [cls.__name__]
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval()
+    model = cls(cfg).eval()
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make them matter
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
