@@ -166,8 +166,8 @@ def _experts_as_params(weights: Iterable[tuple[str, Any]], params: Iterable[tupl
 
 
 class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
-    """Qwen3-VL dense and MoE (experts by config) on flat token batches (one process; no
-    tensor-parallel plan yet)."""
+    """Qwen3-VL dense and MoE (experts by config) on flat token batches; with ``tp`` the
+    dense model's layers are swapped for rank shards (models/tp_plan.py; MoE: none yet)."""
 
     supports_encoder_data_parallel = True
 
@@ -176,9 +176,6 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
                  shard_vision: bool = True, parts: str = "all") -> None:
         nn.Module.__init__(self)
         self.parts = check_parts(parts)
-        if tp is not None and tp.size > 1:
-            raise ValueError("qwen3_vl has no tensor-parallel plan yet: use "
-                             "tensor_parallel_size=1")
         text = config.text_config
         self.config = config
         self.ops = get_ops(attention_backend)
@@ -199,6 +196,12 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
                 self.language_model = Qwen3TextModel(text, self.head_dim, self.ops)
                 if not self.tie_word_embeddings:
                     self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        if tp is not None and tp.size > 1:
+            if parts != "all":
+                raise ValueError("a tensor-parallel group loads every part of the model")
+            from triptych.models.tp_plan import shard_qwen2_vl  # the same plan fits
+
+            shard_qwen2_vl(self, tp, shard_vision)
         self.to(dtype=dtype)
         self.to_empty(device=device)
         self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,

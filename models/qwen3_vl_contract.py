@@ -17,7 +17,6 @@ class Qwen3VLContract(ModelContract):
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
     modalities = ("image",)
-    supports_tensor_parallel = False
 
     def head_dim(self, text: Any) -> int:
         # Qwen3 states head_dim and its attention uses it (it may differ from hidden/heads)
@@ -57,6 +56,7 @@ class Qwen3VLMoeContract(Qwen3VLContract):
 
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
+    supports_tensor_parallel = False  # the experts have no sharded form yet
 
     def check(self, hf: Any) -> None:
         super().check(hf)

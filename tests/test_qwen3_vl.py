@@ -180,12 +180,21 @@ def test_missing_deepstack_weights_fail_at_start(tiny, tmp_path):
     assert "DeepStack" in msg and "\n" not in msg
 
 
-def test_tensor_parallel_is_refused_in_one_line(tiny):
-    from transformers import AutoConfig
-    from triptych.models.tp_plan import check_tp_sizes
-
-    with pytest.raises(ValueError, match="no tensor-parallel plan"):
-        check_tp_sizes(AutoConfig.from_pretrained(tiny, local_files_only=True), 2, "weights")
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_tensor_parallel_two_ranks_in_both_encoder_modes(tiny, oracle, llm, mode):
+    """TP=2: "weights" shards the tower (the DeepStack mergers too), "data" splits the
+    images across ranks; either way the payload rows reach every rank with the step, and
+    chunks of 16 cut the last image's span."""
+    convs = [TEXT, ONE, TWO, chat("Describe.", image(4, 128, 128))]
+    pad = llm.get_tokenizer().pad_token_id or 0
+    want = [hf_greedy(oracle, llm.processor.process_chat(c), MAX_TOKENS, pad)[0] for c in convs]
+    two = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, tensor_parallel_size=2,
+              mm_encoder_tp_mode=mode)
+    try:
+        outs = two.chat(convs, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    finally:
+        two.close()
 
 
 def test_payload_is_one_tensor_per_item(llm):
