@@ -13,9 +13,15 @@ Qwen3-VL-MoE experts add their outputs, so fp32 results match it closely.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triptych.models.parallel_layers import Shard
+
+if TYPE_CHECKING:  # the type only: models stand below parallel/
+    from triptych.parallel.context import TPContext
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int
@@ -70,3 +76,25 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.top_k)
         return fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+
+
+class ShardedMoeBlock(SparseMoeBlock):
+    """Rank r's slice of every expert's intermediate dim: gate|up rows (column-parallel)
+    and down columns (row-parallel), so each rank's partial outputs sum to the whole in
+    one all-reduce. The router is whole on every rank (every rank routes alike)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
+                 ctx: TPContext) -> None:
+        super().__init__(hidden, inter // ctx.size, num_experts, top_k)
+        self.ctx, self.full_inter = ctx, inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce(super().forward(x))
+
+    def shards(self, prefix: str) -> dict[str, list[Shard]]:
+        i, r, full = self.full_inter // self.ctx.size, self.ctx.rank, self.full_inter
+        gu, dn = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+        return {gu: [Shard(gu, (0, i), 1, (r * i, (r + 1) * i), 2 * full, dst_dim=1),
+                     Shard(gu, (i, 2 * i), 1, (full + r * i, full + (r + 1) * i), 2 * full,
+                           dst_dim=1)],
+                dn: [Shard(dn, None, 2, (r * i, (r + 1) * i), full)]}

@@ -43,6 +43,7 @@ class Shard:
     dim: int = 0
     src: tuple[int, int] | None = None
     full: int | None = None
+    dst_dim: int = 0  # the parameter's dim that ``rows`` ranges over (stacked experts: 1)
 
 
 @dataclass(frozen=True)

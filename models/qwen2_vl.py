@@ -310,8 +310,8 @@ class Qwen2VLForCausalLM(nn.Module):
                 continue
             for sh in pieces:
                 param = params[sh.param]
-                if sh.rows is not None:
-                    param = param[sh.rows[0]:sh.rows[1]]  # this checkpoint tensor's rows
+                if sh.rows is not None:  # this checkpoint tensor's rows of the parameter
+                    param = param.narrow(sh.dst_dim, sh.rows[0], sh.rows[1] - sh.rows[0])
                 param.copy_(_read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
             loaded.add(name)
         missing = sorted(set(table) - loaded)

@@ -167,7 +167,7 @@ def _experts_as_params(weights: Iterable[tuple[str, Any]], params: Iterable[tupl
 
 class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
     """Qwen3-VL dense and MoE (experts by config) on flat token batches; with ``tp`` the
-    dense model's layers are swapped for rank shards (models/tp_plan.py; MoE: none yet)."""
+    layers are swapped for rank shards (models/tp_plan.py; experts: fused_moe.ShardedMoeBlock)."""
 
     supports_encoder_data_parallel = True
 

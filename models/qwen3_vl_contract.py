@@ -56,7 +56,6 @@ class Qwen3VLMoeContract(Qwen3VLContract):
 
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
-    supports_tensor_parallel = False  # the experts have no sharded form yet
 
     def check(self, hf: Any) -> None:
         super().check(hf)

@@ -45,6 +45,8 @@ def _constraints(hf: Any, shard_vision: bool) -> list[tuple[str, int, bool]]:
            ("num_key_value_heads", text.num_key_value_heads, True),
            ("intermediate_size", text.intermediate_size, False),
            ("vocab_size", text.vocab_size, False)]
+    if getattr(text, "num_experts", 0):
+        out.append(("moe_intermediate_size", text.moe_intermediate_size, False))
     if shard_vision:
         v = hf.vision_config
         if hf.model_type == "qwen2_vl":
@@ -106,8 +108,12 @@ def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
         for layer in lm.layers:
             _shard_attention(layer.self_attn, text.hidden_size, ctx)
             mlp = layer.mlp
-            if not hasattr(mlp, "gate_up_proj"):  # (the contract refuses these earlier)
-                raise ValueError(f"{type(mlp).__name__} layers have no tensor-parallel plan")
+            if hasattr(mlp, "experts"):  # Qwen3-VL-MoE: each expert's intermediate dim split
+                from triptych.models.fused_moe import ShardedMoeBlock
+
+                layer.mlp = ShardedMoeBlock(text.hidden_size, text.moe_intermediate_size,
+                                            text.num_experts, text.num_experts_per_tok, ctx)
+                continue
             mlp.gate_up_proj = FusedLinear(text.hidden_size, [
                 rank_part("gate_proj", mlp.inter, ctx), rank_part("up_proj", mlp.inter, ctx)],
                 bias=False)

@@ -103,12 +103,15 @@ def test_hub_layout_of_the_experts_loads_the_same(tiny, llm, tmp_path):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def test_tensor_parallel_is_refused_in_one_line(tiny):
-    from transformers import AutoConfig
-    from triptych.models.tp_plan import check_tp_sizes
-
-    with pytest.raises(ValueError, match="no tensor-parallel plan"):
-        check_tp_sizes(AutoConfig.from_pretrained(tiny, local_files_only=True), 2, "weights")
+def test_tensor_parallel_two_ranks(tiny, oracle, llm):
+    """TP=2: each rank holds half of every expert's intermediate dim; one all-reduce."""
+    convs = list(CONVS.values())
+    want = [hf_ids(llm, oracle, c) for c in convs]
+    two = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.chat(convs, GREEDY, use_tqdm=False)] == want
+    finally:
+        two.close()
 
 
 def test_a_config_it_cannot_serve_is_refused_in_one_line(tiny, tmp_path):
