@@ -40,7 +40,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """[T, H] -> [T, H]: every token through its k experts, weighted and summed.
 
     gate_up: [E, 2 * I, H] (gate rows then up rows), down: [E, H, I]."""
-    t, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     token = order // k  # the token of each sorted pair

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
+from triptych.models.checkpoint_names import hub_name, map_checkpoint_name, read_piece
 from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear, Shard
-from triptych.models.weight_parts import check_parts, holds
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+from triptych.models.weight_parts import check_parts, holds
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -312,7 +313,7 @@ class Qwen2VLForCausalLM(nn.Module):
                 param = params[sh.param]
                 if sh.rows is not None:  # this checkpoint tensor's rows of the parameter
                     param = param.narrow(sh.dst_dim, sh.rows[0], sh.rows[1] - sh.rows[0])
-                param.copy_(_read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
+                param.copy_(read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
             loaded.add(name)
         missing = sorted(set(table) - loaded)
         if missing:
@@ -323,48 +324,3 @@ class Qwen2VLForCausalLM(nn.Module):
             logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s",
                            len(unexpected), ", ".join(unexpected[:10]))
         return loaded
-
-
-def _read_piece(ckpt_name: str, tensor: Any, sh: Shard, want: tuple[int, ...]) -> torch.Tensor:
-    """The piece ``sh`` of a checkpoint tensor, shape-checked against the parameter slice
-    ``want`` it goes to (the whole tensor's shape is checked before any slice is read)."""
-    shape = tuple(tensor.shape)
-    if sh.src is None:
-        if len(shape) == 5 and len(want) == 2:  # Conv3d kernel -> linear weight
-            shape = (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
-        expected = want
-    else:
-        expected = want[:sh.dim] + (sh.full,) + want[sh.dim + 1:]
-    if shape != expected:
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {shape} but the model "
-                         f"expects {expected}")
-    if isinstance(tensor, torch.Tensor):
-        out = tensor if sh.src is None else tensor.narrow(sh.dim, sh.src[0], sh.src[1] - sh.src[0])
-    else:
-        out = tensor.read(sh.dim, sh.src) if sh.src is not None else tensor.read()
-    return out.reshape(want)
-
-
-# checkpoint prefix -> our prefix; first match wins (transformers-5 names before hub names)
-_PREFIXES = (
-    ("model.language_model.", "language_model."),
-    ("model.visual.", "visual."),
-    ("visual.", "visual."),
-    ("model.", "language_model."),
-    ("lm_head.", "lm_head."),
-)
-
-
-def hub_name(name: str) -> str:
-    """The hub/transformers-4 checkpoint name of one of our parameters (for messages)."""
-    if name.startswith("language_model."):
-        return "model." + name[len("language_model."):]
-    return name
-
-
-def map_checkpoint_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name, or None if it is not ours."""
-    for src, dst in _PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    return None

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from triptych.kernels import get_ops
-from triptych.kernels import torch_ref
+from triptych.kernels import get_ops, torch_ref
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows
 from triptych.models.fused_moe import SparseMoeBlock

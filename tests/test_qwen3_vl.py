@@ -134,24 +134,32 @@ def test_chunked_prefill_splits_the_payload(tiny, oracle):
     assert cache.num_bytes == it.length * width * 4  # DeepStack counted in the byte bound
 
 
-def test_one_encode_one_prefill_one_decode(tiny, oracle, llm):
-    """E+P+D: the payload goes encode -> prefill over the connector (shm), checked against
-    the model's payload width on arrival; chunks of 16 cut the last image's span."""
+@pytest.mark.parametrize("layout", [
+    {"encode_workers": 1, "prefill_workers": 1, "decode_workers": 1},  # E+P+D
+    {"encode_workers": 1, "decode_workers": 1},  # E+PD
+    {"prefill_workers": 1, "decode_workers": 1},  # P+D: the prefill worker runs the tower
+], ids=["1e1p1d", "1e1d", "1p1d"])
+def test_pool_layouts(tiny, oracle, llm, layout):
+    """The payload goes encode -> prefilling worker over the connector (shm), checked
+    against the model's payload width on arrival; chunks of 16 cut the last image's span.
+    Each pool holds only the weights it runs, as its workers measure them."""
     convs = [TEXT, ONE, TWO, chat("Describe.", image(4, 128, 128))]
     pad = llm.get_tokenizer().pad_token_id or 0
     want = [hf_greedy(oracle, llm.processor.process_chat(c), MAX_TOKENS, pad)[0] for c in convs]
-    pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, encode_workers=1,
-                prefill_workers=1, decode_workers=1)
+    pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, **layout)
     try:
         outs = pools.chat(convs, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
-        # each pool holds only what it runs, as its workers measure their parameters
         import time
         time.sleep(0.6)  # every worker reports its stats each 0.25 s
         s = pools.pools.stats()
-        assert s["pool/encode/weight_bytes_language"] == 0 < s["pool/encode/weight_bytes_vision"]
+        if "encode_workers" in layout:
+            assert s["pool/encode/weight_bytes_language"] == 0 < s["pool/encode/weight_bytes_vision"]
         for pool in ("prefill", "decode"):
-            assert s[f"pool/{pool}/weight_bytes_vision"] == 0
+            if f"{pool}_workers" not in layout:
+                continue
+            lm_only = "encode_workers" in layout
+            assert (s[f"pool/{pool}/weight_bytes_vision"] == 0) == lm_only
             assert s[f"pool/{pool}/weight_bytes_language"] > 0
     finally:
         pools.close()
