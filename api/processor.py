@@ -92,6 +92,9 @@ class InputProcessor:
             model_dir, local_files_only=True, backend="pil")
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.image_token_id, self.video_token_id = cfg.image_token_id, cfg.video_token_id
+        from triptych.models.contract import contract_for
+
+        self.modalities = contract_for(cfg).modalities  # what the model contract takes
         self.merge = self.image_processor.merge_size
         self.limits = dict(limit_mm_per_prompt or {"image": 8, "video": 1})
         self.media = media_limits or MediaLimits()
@@ -240,6 +243,9 @@ class InputProcessor:
                              "send images and videos as content parts")
 
     def _check_limits(self, kinds: list[str]) -> None:
+        for kind in sorted(set(kinds) - set(self.modalities)):
+            raise ValueError(f"this model ({', '.join(self.modalities)} only) does not take "
+                             f"{kind} input yet")
         for kind in ("image", "video"):
             n, limit = kinds.count(kind), self.limits.get(kind, 0)
             if n > limit:

@@ -43,6 +43,10 @@ def add_parser(subparsers: Any) -> None:
                         "or ocr (32 x 224px, 128 tokens out, hidden 256 / 4 layers / 8k vocab)")
     t.add_argument("--model", default=None, help="checkpoint dir (default: the preset's random "
                                                  "checkpoint, built once with make-tiny)")
+    from triptych.models.contract import contract_names
+
+    t.add_argument("--arch", choices=contract_names(), default="qwen2_vl",
+                   help="architecture of the preset's random checkpoint (ignored with --model)")
     t.add_argument("--num-requests", type=int, default=None, help="requests, one image each")
     t.add_argument("--image-size", type=int, default=None, help="image width = height, pixels")
     t.add_argument("--output-len", type=int, default=None, help="output tokens per request (ignore_eos)")
@@ -91,7 +95,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, k) is not None:
             w[k] = getattr(args, k)
     flags = BENCH_FLAGS if w.pop("model_flags") == "BENCH" else OCR_FLAGS
-    w["model"] = args.model or tiny_checkpoint("qwen2_vl", **flags)
+    w["model"] = args.model or tiny_checkpoint(getattr(args, "arch", "qwen2_vl"), **flags)
     return w
 
 

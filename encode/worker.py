@@ -43,7 +43,7 @@ class EncodeWorker(Handler):
     def __init__(self, spec: WorkerSpec) -> None:
         config = EngineConfig(**spec.config)
         # tensor_parallel_size > 1: rank 0 of a group that runs the tower together
-        self.loaded = load_for_role(config, "encode")
+        self.loaded = load_for_role(config, "encode", pool=spec.pool)
         self.shape = self.loaded.shape
         self.runner = self.loaded.encoder
         self.connector = data_endpoint(config, spec)
@@ -136,7 +136,8 @@ class EncodeWorker(Handler):
              "encoder_cache_usage_bytes": c.num_bytes,
              "encoder_cache_capacity_bytes": c.capacity_bytes,
              "items_encoded_total": self.runner.num_items_encoded,
-             "embedding_transfer_bytes_total": self.bytes_sent, **self.pixels.stats()}
+             "embedding_transfer_bytes_total": self.bytes_sent, **self.pixels.stats(),
+             **self.loaded.weight_stats()}
         s.update(self.histogram.stats("embedding_transfer_seconds"))
         return s
 

@@ -62,7 +62,7 @@ class EngineCore:
         """``loaded``: the model and runners ``parallel.loader.load_for_role(config,
         "engine")`` built (one process, or rank 0 of a group); the core owns them from here
         and closes them in ``close``."""
-        from triptych.models import compute_mrope_positions
+        from triptych.models.contract import contract_for
 
         assert loaded.runner is not None, "the engine core runs the engine role's model"
         self.config = config
@@ -75,7 +75,7 @@ class EngineCore:
         self.runner: ModelRunner = loaded.runner
         self.num_blocks = loaded.num_blocks
         self.group = loaded.group  # rank 0's tensor-parallel group, or None
-        self._mrope = compute_mrope_positions
+        self._contract = contract_for(self.hf_config)  # prompt positions (M-RoPE kind)
         self.eos_token_id = eos_token_id
         # one block of every layer, K and V, all KV heads (a group's ranks hold a slice each)
         self.block_bytes = kv_block_bytes(self.shape, config.block_size, self.dtype)
@@ -85,6 +85,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
         self.hidden_size = self.shape.hidden_size
+        self.payload_width = self.shape.payload_width  # an encoder payload's columns
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_steps = 0  # steps whose batch had to be bisected
@@ -122,8 +123,8 @@ class EngineCore:
             raise ValueError(f"the request needs {blocks} KV blocks but this worker's KV cache "
                              f"holds {self.num_blocks}: raise --kv-cache-memory (or "
                              "--num-kv-blocks) or send a shorter prompt")
-        positions, delta = self._mrope(len(prompt_token_ids), mm_items,
-                                       self.shape.spatial_merge_size, self.shape.tokens_per_second)
+        positions, delta = self._contract.positions(len(prompt_token_ids), mm_items,
+                                                    self.hf_config)
         # Video frame spacing can push M-RoPE positions past the token count (and past
         # the rotary table): refuse rather than index out of range later.
         last = min(self.max_model_len,

@@ -30,6 +30,13 @@ class LoadedModel:
     runner: ModelRunner | None = None  # None for the encode role
     num_blocks: int = 0  # KV blocks of the runner's cache (agreed by every rank)
     group: Any = None  # rank 0's TPGroup (parallel/group.py), None for one process
+    weight_parts: str = "all"  # all | vision | language: the submodules this process built
+    weight_bytes: dict[str, int] | None = None  # measured bytes per part (vision, language)
+
+    def weight_stats(self) -> dict[str, float]:
+        """The worker's resident weight bytes per part, for its stats (and /metrics)."""
+        held = self.weight_bytes or {}
+        return {f"weight_bytes_{k}": float(v) for k, v in held.items()}
 
     @property
     def tp_size(self) -> int:

@@ -108,8 +108,9 @@ class ModelRunner:
 
     def vision_spans(self, inp: StepInputs, num_scheduled: np.ndarray
                      ) -> list[tuple[int, torch.Tensor]]:
-        """(flat row, embedding rows [n, hidden]) to write over placeholder rows: every
-        image of the step goes through the tower in one call (cached ones skip it)."""
+        """(flat row, payload rows [n, payload_width]) to write over placeholder rows: every
+        image of the step goes through the tower in one call (cached ones skip it). A chunk
+        that cuts an image takes its rows of the payload (embedding and extras alike)."""
         spans: list[tuple[int, MMItem, int, int]] = []  # (flat row, item, item row, n)
         batch = self.batch
         for row in np.flatnonzero(batch.num_computed[:batch.num_reqs]
@@ -144,11 +145,12 @@ class ModelRunner:
         )
         positions = torch.from_numpy(inp.positions).to(dev)
         embeds = self.model.embed_tokens(input_ids)
-        for row, emb in spans:
-            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
+        # the model contract: payload rows -> embedding rows (+ whatever else the model
+        # consumes at those rows, e.g. DeepStack features, passed on to forward)
+        extra = self.model.merge_vision(embeds, spans) if spans else {}
         marks.append(time.perf_counter())
         with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
-            hidden = self.model(input_ids, positions, embeds)
+            hidden = self.model(input_ids, positions, embeds, **extra)
         marks.append(time.perf_counter())
         if not len(inp.logits_index):
             marks.append(marks[-1])

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig, parse_size
-from triptych.models.qwen2_vl import text_head_dim
+from triptych.models.contract import contract_for
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class ModelShape:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int  # the attention's and the KV cache's (one value: models.text_head_dim)
+    head_dim: int  # the attention's and the KV cache's (one value: the contract's head_dim)
     max_position_embeddings: int
     spatial_merge_size: int
     tokens_per_second: float | None
@@ -28,15 +28,20 @@ class ModelShape:
     video_token_id: int
     vocab_size: int
     hidden_size: int
+    payload_width: int  # columns of one item's encoder payload (>= hidden_size: extras)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
-        text = getattr(hf, "text_config", None) or hf
+        """Read through the checkpoint's model contract (ValueError for a config it cannot
+        serve: unsupported architecture, a head_dim it refuses, missing DeepStack ...)."""
+        contract = contract_for(hf)
+        contract.check(hf)
+        text = contract.text_config(hf)
         vision = hf.vision_config
         return cls(
             num_layers=text.num_hidden_layers,
             num_kv_heads=text.num_key_value_heads,
-            head_dim=text_head_dim(text),
+            head_dim=contract.head_dim(text),
             max_position_embeddings=text.max_position_embeddings,
             spatial_merge_size=vision.spatial_merge_size,
             tokens_per_second=getattr(vision, "tokens_per_second", None),
@@ -44,6 +49,7 @@ class ModelShape:
             video_token_id=hf.video_token_id,
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
+            payload_width=contract.payload_width(hf),
         )
 
 

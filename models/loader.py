@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from triptych.models.registry import resolve_model_class
+from triptych.models.contract import contract_for
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -52,10 +52,13 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str,
                attention_backend: str = "torch", tp: TPContext | None = None,
-               shard_vision: bool = True, cpu_gemm: str = "torch") -> tuple[Any, Any]:
+               shard_vision: bool = True, cpu_gemm: str = "torch", parts: str = "all"
+               ) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, HF config) from a local checkpoint directory.
 
     With ``tp``, this rank's shard of the model (``shard_vision`` False: whole vision tower).
+    ``parts``: build and read only the vision tower or only the language model
+    (models/weight_parts.py); the other part's tensors are never read from the files.
     ``cpu_gemm="onednn"``: an fp32 model on the CPU runs its linear layers (and LM head) on
     weights packed for oneDNN (kernels/cpu_linear.py); the engine's processes ask for it.
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
@@ -63,10 +66,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    cls = resolve_model_class(getattr(config, "architectures", None))
-    extra = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
-    model = cls(config, dtype=dtype, device=device, attention_backend=attention_backend,
-                **extra)
+    model = contract_for(config).build(config, dtype, device, attention_backend, tp=tp,
+                                       shard_vision=shard_vision, parts=parts)
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
     if cpu_gemm == "onednn" and torch.device(device).type == "cpu" and dtype == torch.float32:

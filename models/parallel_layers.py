@@ -11,7 +11,7 @@ several checkpoint tensors (q|k|v, gate|up); its column-parallel form keeps each
 slice of rank r, so a fused GEMM stays one GEMM per rank.
 
 Every layer here answers ``shards(prefix)``: for each checkpoint tensor (our parameter
-naming, see qwen2_vl.map_checkpoint_name) the pieces of it this rank reads, and where they
+naming, see checkpoint_names.map_checkpoint_name) the pieces of it this rank reads, and where they
 go. The loader reads exactly those slices from safetensors, never the whole tensor.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Shard:
     dim: int = 0
     src: tuple[int, int] | None = None
     full: int | None = None
+    dst_dim: int = 0  # the parameter's dim that ``rows`` ranges over (stacked experts: 1)
 
 
 @dataclass(frozen=True)

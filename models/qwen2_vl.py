@@ -20,8 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
+from triptych.models.checkpoint_names import hub_name, map_checkpoint_name, read_piece
+from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+from triptych.models.weight_parts import check_parts, holds
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -177,8 +180,9 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attention_backend: str = "torch", tp: TPContext | None = None,
-                 shard_vision: bool = True) -> None:
+                 shard_vision: bool = True, parts: str = "all") -> None:
         super().__init__()
+        self.parts = check_parts(parts)  # which submodules this process builds and loads
         if config.model_type not in _VISION:
             raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(_VISION)}")
         text = getattr(config, "text_config", None) or config
@@ -196,11 +200,15 @@ class Qwen2VLForCausalLM(nn.Module):
         self._head_gemm: Any = None  # CpuGemm: a packed copy of the head, made on first use
         # Build on the meta device: no random init, no fp32 copy of a big model on the host.
         with torch.device("meta"):
-            self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
-            self.language_model = Qwen2TextModel(text, self.ops)
-            if not self.tie_word_embeddings:
-                self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            if parts != "language":
+                self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
+            if parts != "vision":
+                self.language_model = Qwen2TextModel(text, self.ops)
+                if not self.tie_word_embeddings:
+                    self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         if tp is not None and tp.size > 1:
+            if parts != "all":
+                raise ValueError("a tensor-parallel group loads every part of the model")
             from triptych.models.tp_plan import shard_qwen2_vl
             shard_qwen2_vl(self, tp, shard_vision)
         self.to(dtype=dtype)
@@ -221,11 +229,18 @@ class Qwen2VLForCausalLM(nn.Module):
 
     @property
     def spatial_merge_size(self) -> int:
-        return self.visual.merge
+        return self.config.vision_config.spatial_merge_size
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]."""
         return self.language_model.embed_tokens(input_ids)
+
+    def merge_vision(self, embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]
+                     ) -> dict[str, Any]:
+        """Write the items' embedding rows over their placeholders (the payload is the
+        embedding alone: nothing else for ``forward``)."""
+        write_vision_rows(embeds, spans)
+        return {}
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,7 +267,10 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                       ) -> list[torch.Tensor]:
-        """Vision embeddings, one [t*h*w / merge**2, hidden] tensor per item (images or videos)."""
+        """Encoder payloads, one [t*h*w / merge**2, payload width] tensor per item."""
+        if self.parts == "language":
+            raise ValueError("this worker loaded the language model only (no vision tower): "
+                             "its images must come encoded from the encode pool")
         emb = self.visual(pixel_values, grid_thw)
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
         return list(emb.split(sizes))
@@ -285,15 +303,17 @@ class Qwen2VLForCausalLM(nn.Module):
             name = map_checkpoint_name(ckpt_name)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
+            if name is not None and not holds(self.parts, name):
+                continue  # a part this process does not run: never read
             pieces = table.get(name) if name is not None else None
             if pieces is None:
                 unexpected.append(ckpt_name)
                 continue
             for sh in pieces:
                 param = params[sh.param]
-                if sh.rows is not None:
-                    param = param[sh.rows[0]:sh.rows[1]]  # this checkpoint tensor's rows
-                param.copy_(_read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
+                if sh.rows is not None:  # this checkpoint tensor's rows of the parameter
+                    param = param.narrow(sh.dst_dim, sh.rows[0], sh.rows[1] - sh.rows[0])
+                param.copy_(read_piece(ckpt_name, tensor, sh, tuple(param.shape)))
             loaded.add(name)
         missing = sorted(set(table) - loaded)
         if missing:
@@ -304,48 +324,3 @@ class Qwen2VLForCausalLM(nn.Module):
             logger.warning("ignored %d checkpoint tensor(s) the model does not use: %s",
                            len(unexpected), ", ".join(unexpected[:10]))
         return loaded
-
-
-def _read_piece(ckpt_name: str, tensor: Any, sh: Shard, want: tuple[int, ...]) -> torch.Tensor:
-    """The piece ``sh`` of a checkpoint tensor, shape-checked against the parameter slice
-    ``want`` it goes to (the whole tensor's shape is checked before any slice is read)."""
-    shape = tuple(tensor.shape)
-    if sh.src is None:
-        if len(shape) == 5 and len(want) == 2:  # Conv3d kernel -> linear weight
-            shape = (shape[0], shape[1] * shape[2] * shape[3] * shape[4])
-        expected = want
-    else:
-        expected = want[:sh.dim] + (sh.full,) + want[sh.dim + 1:]
-    if shape != expected:
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {shape} but the model "
-                         f"expects {expected}")
-    if isinstance(tensor, torch.Tensor):
-        out = tensor if sh.src is None else tensor.narrow(sh.dim, sh.src[0], sh.src[1] - sh.src[0])
-    else:
-        out = tensor.read(sh.dim, sh.src) if sh.src is not None else tensor.read()
-    return out.reshape(want)
-
-
-# checkpoint prefix -> our prefix; first match wins (transformers-5 names before hub names)
-_PREFIXES = (
-    ("model.language_model.", "language_model."),
-    ("model.visual.", "visual."),
-    ("visual.", "visual."),
-    ("model.", "language_model."),
-    ("lm_head.", "lm_head."),
-)
-
-
-def hub_name(name: str) -> str:
-    """The hub/transformers-4 checkpoint name of one of our parameters (for messages)."""
-    if name.startswith("language_model."):
-        return "model." + name[len("language_model."):]
-    return name
-
-
-def map_checkpoint_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name, or None if it is not ours."""
-    for src, dst in _PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    return None

@@ -1,24 +1,19 @@
-"""Which model class serves which HF ``architectures`` entry (imported lazily)."""
+"""Which model class serves which HF ``architectures`` entry: a view of the model
+contracts (models/contract.py), kept for callers that only need the class."""
 from __future__ import annotations
 
-import importlib
+from triptych.models.contract import supported_architectures
 
-# HF architecture name -> (module, class)
-_MODELS: dict[str, tuple[str, str]] = {
-    "Qwen2VLForConditionalGeneration": ("triptych.models.qwen2_vl", "Qwen2VLForCausalLM"),
-    "Qwen2_5_VLForConditionalGeneration": ("triptych.models.qwen2_vl", "Qwen2VLForCausalLM"),
-}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+__all__ = ["resolve_model_class", "supported_architectures"]
 
 
 def resolve_model_class(architectures: list[str] | None) -> type:
     """The class for the first supported entry of a config's ``architectures``."""
-    for arch in architectures or []:
-        if arch in _MODELS:
-            module, cls = _MODELS[arch]
-            return getattr(importlib.import_module(module), cls)
+    from triptych.models.contract import _CONTRACTS, _load
+
+    for model_type in _CONTRACTS:
+        c = _load(model_type)
+        if any(a in c.architectures for a in architectures or []):
+            return c.model_class()
     raise ValueError(f"unsupported model architecture {architectures!r}; "
                      f"supported: {', '.join(supported_architectures())}")

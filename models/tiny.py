@@ -1,4 +1,4 @@
-"""`triptych make-tiny`: a real HF-format Qwen2-VL / Qwen2.5-VL checkpoint with random weights.
+"""`triptych make-tiny`: a real HF-format checkpoint with random weights (any contract's arch).
 
 Tests and demos need checkpoints, and no model hub is reachable: this writes config.json,
 model.safetensors (HF's own model class, random init under a seed), a byte-level BPE
@@ -75,7 +75,22 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
-def make_tiny(arch: str, out_dir: str, *, seed: int = 0, hidden_size: int = 64,
+def make_tiny(arch: str, out_dir: str, **kw: Any) -> str:
+    """Write a random-weight checkpoint of ``arch`` (a model_type of models/contract.py)
+    to ``out_dir`` through its contract's builder; ``kw`` as in ``make_tiny_qwen2_vl``."""
+    from triptych.models.contract import contract_for_type
+
+    return contract_for_type(arch).make_tiny(arch, out_dir, **kw)
+
+
+def save_tokenizer_files(tok: Any, out_dir: str) -> None:
+    """The trained tokenizer and its chat template, as a real checkpoint ships them."""
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE}, f, indent=2)
+
+
+def make_tiny_qwen2_vl(arch: str, out_dir: str, *, seed: int = 0, hidden_size: int = 64,
               num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
               intermediate_size: int | None = None, vision_depth: int = 2,
               vision_embed_dim: int = 32, vision_heads: int = 2, vocab_size: int = 1024,
@@ -141,9 +156,7 @@ def make_tiny(arch: str, out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
-        json.dump({"chat_template": CHAT_TEMPLATE}, f, indent=2)
+    save_tokenizer_files(tok, out_dir)
     # 224x224 images keep their size (256 patches); tiny ones are resized up to 56x56.
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=256 * 28 * 28).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
@@ -157,10 +170,12 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "make-tiny", help="write a tiny random HF-format checkpoint (tests, demos)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Write a Qwen2-VL / Qwen2.5-VL checkpoint with random weights, a locally "
+        description="Write a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with random weights, a locally "
                     "trained BPE tokenizer and processor configs. Nothing is downloaded.")
-    p.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl",
-                   help="architecture")
+    from triptych.models.contract import contract_names
+
+    p.add_argument("--arch", choices=contract_names(), default="qwen2_vl",
+                   help="architecture (a model_type)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--hidden-size", type=int, default=64, help="language model width")

@@ -1,4 +1,4 @@
-"""How Qwen2-VL / Qwen2.5-VL split across tensor-parallel ranks, and which sizes can.
+"""How Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense) split across tensor-parallel ranks, and which sizes can.
 
 A transform on the freshly built (meta-device) model, before any memory is allocated:
 
@@ -45,6 +45,8 @@ def _constraints(hf: Any, shard_vision: bool) -> list[tuple[str, int, bool]]:
            ("num_key_value_heads", text.num_key_value_heads, True),
            ("intermediate_size", text.intermediate_size, False),
            ("vocab_size", text.vocab_size, False)]
+    if getattr(text, "num_experts", 0):
+        out.append(("moe_intermediate_size", text.moe_intermediate_size, False))
     if shard_vision:
         v = hf.vision_config
         if hf.model_type == "qwen2_vl":
@@ -66,6 +68,11 @@ def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
     sizes that do not divide and the tensor_parallel_size values that work."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    from triptych.models.contract import contract_for
+
+    if size > 1 and not contract_for(hf).supports_tensor_parallel:
+        raise ValueError(f"{hf.model_type} has no tensor-parallel plan yet: use "
+                         "tensor_parallel_size=1")
     cons = _constraints(hf, shard_vision=encoder_mode == "weights")
     bad = [f"{name}={n}" for name, n, rep in cons if not _fits(size, n, rep)]
     if not bad:
@@ -101,6 +108,12 @@ def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
         for layer in lm.layers:
             _shard_attention(layer.self_attn, text.hidden_size, ctx)
             mlp = layer.mlp
+            if hasattr(mlp, "experts"):  # Qwen3-VL-MoE: each expert's intermediate dim split
+                from triptych.models.fused_moe import ShardedMoeBlock
+
+                layer.mlp = ShardedMoeBlock(text.hidden_size, text.moe_intermediate_size,
+                                            text.num_experts, text.num_experts_per_tok, ctx)
+                continue
             mlp.gate_up_proj = FusedLinear(text.hidden_size, [
                 rank_part("gate_proj", mlp.inter, ctx), rank_part("up_proj", mlp.inter, ctx)],
                 bias=False)
@@ -118,8 +131,9 @@ def _shard_attention(a: Any, hidden: int, ctx: TPContext) -> None:
     a.qkv_proj = FusedLinear(hidden, [
         rank_part("q_proj", h * d, ctx),
         rank_part("k_proj", hkv * d, ctx, replicas=replicas),
-        rank_part("v_proj", hkv * d, ctx, replicas=replicas)], bias=True)
-    a.o_proj = RowParallelLinear(h * d, hidden, False, ctx)
+        rank_part("v_proj", hkv * d, ctx, replicas=replicas)], bias=a.qkv_proj.bias is not None)
+    # Qwen3's q_norm / k_norm act per head on head_dim: whole on every rank
+    a.o_proj = RowParallelLinear(h * d, hidden, a.o_proj.bias is not None, ctx)
     a.attn = PagedAttention(a.attn.layer_idx, a.num_heads, a.num_kv_heads, d, a.attn.scale)
 
 
@@ -145,11 +159,18 @@ def _shard_vision(visual: Any, ctx: TPContext) -> None:
         mlp = blk.mlp
         if hasattr(mlp, "fc1"):  # Qwen2-VL: quick_gelu MLP
             mlp.fc1, mlp.fc2 = _column(mlp.fc1, ctx), _row(mlp.fc2, ctx)
+        elif hasattr(mlp, "linear_fc1"):  # Qwen3-VL
+            mlp.linear_fc1, mlp.linear_fc2 = _column(mlp.linear_fc1, ctx), _row(mlp.linear_fc2, ctx)
         else:  # Qwen2.5-VL: SwiGLU
             mlp.gate_proj, mlp.up_proj = _column(mlp.gate_proj, ctx), _column(mlp.up_proj, ctx)
             mlp.down_proj = _row(mlp.down_proj, ctx)
-    merger = visual.merger.mlp
-    merger[0], merger[2] = _column(merger[0], ctx), _row(merger[2], ctx)
+    if hasattr(visual.merger, "mlp"):  # Qwen2-VL / Qwen2.5-VL
+        merger = visual.merger.mlp
+        merger[0], merger[2] = _column(merger[0], ctx), _row(merger[2], ctx)
+        return
+    # Qwen3-VL: the merger and each DeepStack merger (their norms stay whole)
+    for m in [visual.merger, *visual.deepstack_merger_list]:
+        m.linear_fc1, m.linear_fc2 = _column(m.linear_fc1, ctx), _row(m.linear_fc2, ctx)
 
 
 def check_layout_tp(config: Any) -> None:

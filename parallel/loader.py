@@ -13,6 +13,7 @@ here (``engine/loaded_model.py``), so ``engine/`` stands below ``parallel/``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,18 +31,37 @@ from triptych.engine.model_shape import (
     resolve_dtype,
     resolve_max_model_len,
 )
+from triptych.models.weight_parts import weight_bytes
 from triptych.parallel.group import TPGroup, start_group
 from triptych.parallel.runner import TPEncoder, TPModelRunner
 
 ROLES = ("engine", "encode")
+logger = logging.getLogger("triptych.loader")
+
+
+def weight_parts_for(config: EngineConfig, role: str, pool: str = "") -> str:
+    """Which parts of the model a worker runs (models/weight_parts.py): an encode worker
+    the tower; a prefill or decode worker of a layout with an encode pool the language
+    model (its images arrive encoded); everyone else (colocated, P+D, LLM) both.
+
+    NOTE: a tensor-parallel group loads both (its ranks build the model from the same
+    plan); the saving applies to one-process workers."""
+    if config.tensor_parallel_size > 1:
+        return "all"
+    if role == "encode":
+        return "vision"
+    if pool in ("prefill", "decode") and config.encode_workers > 0:
+        return "language"
+    return "all"
 
 
 def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
-                  key_name: str | None = None) -> LoadedModel:
-    """Load ``config.model`` for ``role`` (engine | encode). ``data_kind`` / ``key_name``:
-    a pool worker's transport (and CURVE key) for its ranks' KV endpoints (rank to rank
-    between groups). Raises ValueError for knobs the checkpoint cannot take, before any
-    process starts or weight loads."""
+                  key_name: str | None = None, pool: str = "") -> LoadedModel:
+    """Load ``config.model`` for ``role`` (engine | encode) in ``pool`` (the worker's, or
+    "" outside a pool layout): only the parts that role runs there (``weight_parts_for``).
+    ``data_kind`` / ``key_name``: a pool worker's transport (and CURVE key) for its ranks'
+    KV endpoints (rank to rank between groups). Raises ValueError for knobs the checkpoint
+    cannot take, before any process starts or weight loads."""
     from triptych.models import load_model
 
     if role not in ROLES:
@@ -53,17 +73,21 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
         check_batch_budget(config, max_model_len)
     # tensor_parallel_size > 1: this process is rank 0 of a group it starts here
     group = start_group(config, hf, role, device, data_kind, key_name)
+    parts = weight_parts_for(config, role, pool)
     try:
         model, hf = load_model(config.model, dtype, str(device), backend,
                                tp=group.ctx if group else None,
                                shard_vision=group is None or group.encoder_mode == "weights",
-                               cpu_gemm=config.cpu_gemm)
+                               cpu_gemm=config.cpu_gemm, parts=parts)
+        held = weight_bytes(model)
+        logger.info("%s%s weights: %s (vision %d bytes, language %d bytes)", role,
+                    f" ({pool})" if pool else "", parts, held["vision"], held["language"])
         encode_fn = model.encode_images if group is None else \
-            TPEncoder(group, model, shape.hidden_size, dtype)
+            TPEncoder(group, model, shape.payload_width, dtype)
         encoder = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
                                 dtype)
         loaded = LoadedModel(model, hf, shape, device, dtype, backend, max_model_len, encoder,
-                             group=group)
+                             group=group, weight_parts=parts, weight_bytes=held)
         if role == "engine":
             loaded.runner, loaded.num_blocks = _model_runner(config, loaded, group, backend)
     except BaseException:
@@ -87,10 +111,11 @@ def read_checkpoint(config: EngineConfig, device: torch.device
 
 
 def load_engine_core(config: EngineConfig, eos_token_id: int | None = None,
-                     data_kind: str = "", key_name: str | None = None) -> EngineCore:
-    """An ``EngineCore`` on ``load_for_role(config, "engine", ...)``; the ranks stop again
-    if the core cannot be built."""
-    loaded = load_for_role(config, "engine", data_kind, key_name)
+                     data_kind: str = "", key_name: str | None = None,
+                     pool: str = "") -> EngineCore:
+    """An ``EngineCore`` on ``load_for_role(config, "engine", ..., pool)``; the ranks stop
+    again if the core cannot be built."""
+    loaded = load_for_role(config, "engine", data_kind, key_name, pool)
     try:
         return EngineCore(config, loaded, eos_token_id=eos_token_id)
     except BaseException:

@@ -145,7 +145,7 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
         if cmd.ranks:
             a = PatchAssignment(cmd.ranks, [])
             encode_data_parallel(model.encode_images, ctx, grid, a, pixels,
-                                 model.spatial_merge_size, shape.hidden_size, dtype)
+                                 model.spatial_merge_size, shape.payload_width, dtype)
         else:
             model.encode_images(pixels, grid)  # rank 0 keeps the (identical) result
     elif isinstance(cmd, tp_wire.ReadKV):

@@ -41,6 +41,8 @@ class _Waiting:
 class EmbeddingInbox:
     def __init__(self, cache: EncoderCache, hidden_size: int, dtype: torch.dtype,
                  timeout_s: float) -> None:
+        """``hidden_size``: the columns of the model's encoder payload (the contract's
+        ``payload_width``: the embedding, plus e.g. DeepStack features)."""
         self.cache = cache
         self.hidden_size, self.dtype = hidden_size, dtype
         self.timeout_s = timeout_s
@@ -75,7 +77,7 @@ class EmbeddingInbox:
         """An embedding arrived; returns the ids of requests it completed (admitted)."""
         if emb.dim() != 2 or emb.shape[1] != self.hidden_size:
             self.num_dropped += 1
-            logger.warning("dropped an embedding of shape %s (hidden size is %d)",
+            logger.warning("dropped an embedding of shape %s (the model's payload is [rows, %d])",
                            tuple(emb.shape), self.hidden_size)
             return []
         emb = emb.to(self.dtype)

@@ -42,14 +42,14 @@ class ModelWorker(Handler):
         self.config = config = EngineConfig(**spec.config)
         self.core = load_engine_core(
             config, spec.eos_token_id, data_kind=endpoint_kind(config, spec) if data_plane else "",
-            key_name=key_name(spec))
+            key_name=key_name(spec), pool=spec.pool)
         self.connector = self.inbox = None
         pixels = None
         try:
             self.pixels = pixels = WorkerPixels.from_config(spec.config, spec.shm_ring)
             if data_plane:
                 self.connector = data_endpoint(config, spec)
-                self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.hidden_size,
+                self.inbox = EmbeddingInbox(self.core.encoder.cache, self.core.payload_width,
                                             self.core.dtype, config.kv_transfer_timeout)
         except BaseException:
             if pixels is not None:
@@ -189,7 +189,7 @@ class ModelWorker(Handler):
                    or it.mm_hash in self.core.encoder.cache for it in req.mm_items)
 
     def stats(self) -> dict[str, float]:
-        return self.core.stats() | self.pixels.stats()
+        return self.core.stats() | self.pixels.stats() | self.core.loaded.weight_stats()
 
     def close(self) -> None:
         self.pixels.close()

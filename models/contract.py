@@ -1,0 +1,143 @@
+"""The model contract: what the engine asks of a model, and which contract serves a checkpoint.
+
+Everything outside ``models/`` (the runner, the encode worker, the embedding transfer, the
+processor glue, ``make-tiny``) reaches a model through a ``ModelContract`` and the module it
+builds; nothing there names an architecture. Adding a model = one contract (a subclass
+below), its module, its tiny-checkpoint builder and its parity tests, plus one line in
+``_CONTRACTS``.
+
+    contract (per architecture, no weights)        module (built by ``build``)
+    -------------------------------------------    ---------------------------------------
+    architectures / model_types                    encode_images(pixels, grid) -> payloads
+    head_dim(text config)                          embed_tokens(ids) -> [T, hidden]
+    payload_width(hf): columns of one item's        merge_vision(embeds, spans) -> extra kw
+        encoder payload (embeddings | extras)      forward(ids, positions, embeds, **extra)
+    positions(num_tokens, items, hf) -> (pos, d)   compute_logits(hidden)
+    modalities, check(hf): one-line refusals       load_weights(named tensors) -> loaded
+    build(...): the module (TP plan applied)       shard_table(), spatial_merge_size
+    make_tiny(arch, out_dir, ...)
+
+The encoder payload is ONE 2-D tensor per item, ``[rows, payload_width]``: the embedding
+columns first, then whatever else the language model consumes per placeholder row (e.g.
+Qwen3-VL's DeepStack features, one ``hidden`` block per injected layer). One tensor means
+the encoder cache counts all of it in its byte bound, the connector moves it as one frame
+whose shape the receiver checks, and a chunk of a prefill that covers rows [a, b) of an
+image simply takes rows [a, b) of the payload: nothing can be split inconsistently.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+# model_type -> (module, contract class); imported lazily so a process loads one model's code
+_CONTRACTS: dict[str, tuple[str, str]] = {
+    "qwen2_vl": ("triptych.models.qwen2_vl_contract", "Qwen2VLContract"),
+    "qwen2_5_vl": ("triptych.models.qwen2_vl_contract", "Qwen2VLContract"),
+    "qwen3_vl": ("triptych.models.qwen3_vl_contract", "Qwen3VLContract"),
+    "qwen3_vl_moe": ("triptych.models.qwen3_vl_contract", "Qwen3VLMoeContract"),
+}
+
+
+class ModelContract:
+    """One architecture family as the engine sees it. Subclasses override what differs;
+    the defaults describe a Qwen-style VLM (M-RoPE over (t, h, w), one embedding per row)."""
+
+    architectures: tuple[str, ...] = ()  # HF ``architectures`` entries served
+    model_types: tuple[str, ...] = ()  # HF ``model_type`` values served (= make-tiny --arch)
+    modalities: tuple[str, ...] = ("image", "video")  # what the processor may send
+    supports_tensor_parallel = True
+    supports_encoder_data_parallel = True  # the tower encodes any subset of items alone
+
+    # -- what the engine derives from the config ------------------------------------------
+    def text_config(self, hf: Any) -> Any:
+        return getattr(hf, "text_config", None) or hf
+
+    def head_dim(self, text: Any) -> int:
+        """The language model's attention head size (attention, rotary tables, KV cache)."""
+        return text.hidden_size // text.num_attention_heads
+
+    def payload_width(self, hf: Any) -> int:
+        """Columns of one item's encoder payload (default: just the embedding)."""
+        return self.text_config(hf).hidden_size
+
+    def check(self, hf: Any) -> None:
+        """Refuse a config this contract cannot serve (ValueError, one line)."""
+
+    def positions(self, num_tokens: int, items: list[Any], hf: Any
+                  ) -> tuple[torch.Tensor, int]:
+        """Rotary position ids ``[3, num_tokens]`` of a prompt and its decode delta."""
+        from triptych.models.mrope import compute_mrope_positions
+
+        vision = hf.vision_config
+        return compute_mrope_positions(num_tokens, items, vision.spatial_merge_size,
+                                       getattr(vision, "tokens_per_second", None))
+
+    # -- the module -------------------------------------------------------------------------
+    def model_class(self) -> type:
+        raise NotImplementedError
+
+    def build(self, hf: Any, dtype: torch.dtype, device: str, attention_backend: str,
+              tp: Any = None, shard_vision: bool = True, parts: str = "all") -> Any:
+        """The module on ``device`` with garbage weights (``load_weights`` fills them); with
+        ``tp``, this rank's shard (the contract's TP plan applied on the meta device);
+        ``parts``: all | vision | language (models/weight_parts.py)."""
+        self.check(hf)
+        extra: dict[str, Any] = {} if tp is None else {"tp": tp, "shard_vision": shard_vision}
+        if parts != "all":
+            extra["parts"] = parts
+        return self.model_class()(hf, dtype=dtype, device=device,
+                                  attention_backend=attention_backend, **extra)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def make_tiny(self, arch: str, out_dir: str, **kw: Any) -> str:
+        """Write a tiny random HF-format checkpoint of ``arch`` (tests, demos)."""
+        raise NotImplementedError
+
+    def hf_class_name(self, hf: Any) -> str:
+        """HF transformers' class of this checkpoint (the oracle)."""
+        return (hf.architectures or self.architectures)[0]
+
+
+def write_vision_rows(embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]) -> None:
+    """Overwrite placeholder rows of the flat batch with the payloads' embedding columns
+    (the first ``hidden`` of each payload row; extras are the model's business)."""
+    hidden = embeds.shape[1]
+    for row, payload in spans:
+        embeds[row:row + payload.shape[0]] = payload[:, :hidden].to(embeds.dtype)
+
+
+def contract_names() -> list[str]:
+    """Every model_type served (also the ``make-tiny --arch`` choices)."""
+    return sorted(_CONTRACTS)
+
+
+def supported_architectures() -> list[str]:
+    return sorted({a for t in _CONTRACTS for a in _load(t).architectures})
+
+
+def _load(model_type: str) -> ModelContract:
+    module, cls = _CONTRACTS[model_type]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def contract_for_type(model_type: str) -> ModelContract:
+    """The contract of a ``model_type`` (a make-tiny arch); ValueError when none."""
+    if model_type not in _CONTRACTS:
+        raise ValueError(f"unknown arch {model_type!r}: use one of "
+                         f"{', '.join(contract_names())}")
+    return _load(model_type)
+
+
+def contract_for(hf: Any) -> ModelContract:
+    """The contract serving an HF config: its ``architectures`` must name one we serve
+    (ValueError otherwise, listing what is supported)."""
+    archs = list(getattr(hf, "architectures", None) or [])
+    model_type = getattr(hf, "model_type", None)
+    if model_type in _CONTRACTS:
+        c = _load(model_type)
+        if not archs or any(a in c.architectures for a in archs):
+            return c
+    raise ValueError(f"unsupported model architecture {archs or model_type!r}; "
+                     f"supported: {', '.join(supported_architectures())}")

@@ -1,0 +1,59 @@
+"""Qwen3-VL after a migration: a `triptych serve` 1e1p2d on the tiny Qwen3-VL checkpoint, a
+stream whose decode worker is killed (kill -9) mid-stream continues on the other decode
+worker, and its full text equals an undisturbed run's (whose ids equal HF's: see
+test_qwen3_vl.py). The resumed request is recomputed by a prefill with its image's
+payload (embedding + DeepStack) encoded again."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from triptych import LLM
+
+sys.path.insert(0, os.path.dirname(__file__))
+from server_fixtures import data_url, image_part, img, module_server, png, separated_prompt, text_part, user
+from test_pool_failures import busy_worker, stream, wait_ok
+
+pytest.importorskip("openai")
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from triptych.models.tiny import make_tiny
+
+    return make_tiny("qwen3_vl", str(tmp_path_factory.mktemp("tiny") / "qwen3_vl"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    yield from module_server(tiny, tmp_path_factory, "--block-size", "4",
+                             "--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "16",
+                             "--encode-workers", "1", "--prefill-workers", "1",
+                             "--decode-workers", "2", "--served-model-name", "tiny")
+
+
+def test_a_stream_survives_its_decode_worker(server, tiny):
+    offline = LLM(tiny, block_size=4, max_model_len=MAX_LEN)
+    msgs, ref = separated_prompt(offline, [
+        user(image_part(data_url(png(img(11 + i, 64, 96)))), text_part("Tell me a long story."))
+        for i in range(12)], 300)
+    client = server.openai_client(timeout=180)
+    out: dict = {}
+    t = threading.Thread(target=stream, args=(client, msgs, 300, out, "a"))
+    t.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):
+        time.sleep(0.02)
+    victim = busy_worker(server, "decode", 10)
+    assert victim is not None
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(180)
+    assert out["a"]["error"] is None
+    assert out["a"]["text"] == ref, "the stream resumed on the other decode worker"
+    assert server.metric("triptych:request_migrations_total") >= 1
+    assert wait_ok(server)
