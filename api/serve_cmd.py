@@ -32,6 +32,16 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="model name clients send (if unset: the model directory's name, or "
                         "the hub id)")
+    t = p.add_argument_group("API keys and tenants")
+    t.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer <key>' (default: env "
+                        "VLLM_API_KEY; unset: no key needed); /health, /ping, /version and "
+                        "/metrics stay open")
+    t.add_argument("--api-keys-file", default=None,
+                   help="file of 'KEY TENANT' lines (# comments; mode 600, owned by this "
+                        "user): each tenant's uuids and prefix cache are its own")
+    t.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs an API key too")
     lim = p.add_argument_group("limits (each refusal names its flag)")
     lim.add_argument("--max-pending-requests", type=int, default=256,
                      help="engine requests in flight beyond which new ones get 503 + "
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
         fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
+    tenants = _tenants(args)
     if model is None:
         from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
         model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
@@ -115,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model and not os.path.isdir(
         os.path.expanduser(args.model)) else os.path.basename(os.path.normpath(model)))
     try:
-        asyncio.run(_serve(args, config, model, name, frames, fps))
+        asyncio.run(_serve(args, config, model, name, frames, fps, tenants))
     except KeyboardInterrupt:
         # NOTE: uvicorn re-raises the SIGINT it handled once it has shut down cleanly;
         # asyncio.run turns that into CancelledError + KeyboardInterrupt. Ctrl-C is how a
@@ -124,8 +135,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tenants(args: argparse.Namespace) -> Any:
+    from triptych.api.tenancy import KeyFileError, Tenants, read_keys_file
+    from triptych.cli import fail
+
+    key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY")
+    try:
+        keys = read_keys_file(args.api_keys_file) if args.api_keys_file else {}
+    except KeyFileError as e:
+        fail(str(e))
+    if key is not None and key in keys:
+        fail("--api-key is also listed in --api-keys-file (one key, one tenant)")
+    if args.protect_metrics and not (key or keys):
+        fail("--protect-metrics needs --api-key or --api-keys-file")
+    return Tenants([key] if key else [], keys)
+
+
 async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, frames: int,
-                 fps: float) -> None:
+                 fps: float, tenants: Any) -> None:
     import uvicorn
     from transformers import AutoConfig
     from triptych.router.router import Router
@@ -160,7 +187,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         served_model=name, limits=limits, model_root=args.model or model,
         max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
         max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info)
+        enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
+        tenants=tenants, protect_metrics=args.protect_metrics)
     from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
     cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
