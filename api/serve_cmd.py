@@ -44,11 +44,18 @@ def add_parser(subparsers: Any) -> None:
                    help="/metrics needs an API key too")
     lim = p.add_argument_group("limits (each refusal names its flag)")
     lim.add_argument("--max-pending-requests", type=int, default=256,
-                     help="engine requests in flight beyond which new ones get 503 + "
+                     help="engine requests in flight beyond which new ones get 429 + "
                           "Retry-After (also the most prompts one /v1/completions request "
                           "may hold)")
     lim.add_argument("--max-request-bytes", type=int, default=64 << 20,
                      help="largest request body, data URLs included; bigger ones get 413")
+    lim.add_argument("--max-inflight-body-bytes", type=int, default=0,
+                     help="bytes of request bodies held at once, server-wide (a body counts "
+                          "until its request is answered); beyond it 429 + Retry-After "
+                          "(0: 4 x --max-request-bytes)")
+    lim.add_argument("--limit-concurrency", type=int, default=1024,
+                     help="uvicorn's limit_concurrency: open connections + tasks beyond "
+                          "which uvicorn answers 503 before reading anything")
     lim.add_argument("--max-prompt-chars", type=int, default=0,
                      help="most characters of text in one request, checked before "
                           "tokenization (0: 20 x max_model_len)")
@@ -85,6 +92,12 @@ def add_parser(subparsers: Any) -> None:
     m.add_argument("--max-concurrent-media-fetches", type=int, default=32,
                    help="media URLs fetched at once, server-wide (text requests never wait "
                         "on them)")
+    m.add_argument("--media-dns-threads", type=int, default=8,
+                   help="threads that resolve media URL hosts (their own, so a domain whose "
+                        "DNS never answers cannot hold up other fetches)")
+    m.add_argument("--media-dns-per-domain", type=int, default=2,
+                   help="lookups of one domain (its last two labels) at once; more are "
+                        "refused at once")
 
 
 def _video_caps(args: argparse.Namespace) -> tuple[int, float]:
@@ -112,11 +125,15 @@ def run(args: argparse.Namespace) -> int:
     frames, fps = _video_caps(args)
     for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
-                 "max_concurrent_media_fetches"):
+                 "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
+                 "media_dns_per_domain"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
         fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
+    if 0 < args.max_inflight_body_bytes < args.max_request_bytes or \
+            args.max_inflight_body_bytes < 0:
+        fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
     tenants = _tenants(args)
     if model is None:
         from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
@@ -157,6 +174,7 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
     from transformers import AutoConfig
     from triptych.router.router import Router
     from triptych.api.media.decode import MediaLimits
+    from triptych.api.media.resolver import Resolver
     from triptych.api.processor import InputProcessor
     from triptych.api.request_checks import ServerLimits
     from triptych.api.server import AppConfig, build_app
@@ -173,7 +191,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         allowed_domains=tuple(d.strip() for d in args.allowed_media_domains.split(","))
         if args.allowed_media_domains else None,
         allowed_local_media_path=config.allowed_local_media_path,
-        allow_private_addresses=args.allow_private_media_urls)
+        allow_private_addresses=args.allow_private_media_urls,
+        resolver=Resolver(args.media_dns_threads, args.media_dns_per_domain))
     limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=args.max_n,
                           max_prompt_chars=args.max_prompt_chars,
                           max_prompts=args.max_pending_requests,
@@ -186,6 +205,7 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
     app_config = AppConfig(
         served_model=name, limits=limits, model_root=args.model or model,
         max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
+        max_inflight_body_bytes=args.max_inflight_body_bytes or 4 * args.max_request_bytes,
         max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
         tenants=tenants, protect_metrics=args.protect_metrics)
@@ -199,7 +219,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         await client.start()
         app = build_app(client, processor, app_config, on_shutdown=client.shutdown)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="info", timeout_graceful_shutdown=2))
+                                               log_level="info", timeout_graceful_shutdown=2,
+                                               limit_concurrency=args.limit_concurrency))
         logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
         await server.serve()
     finally:  # (a no-op when the lifespan already stopped it)

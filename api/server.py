@@ -50,6 +50,7 @@ class AppConfig:
     model_root: str | None = None  # what /v1/models reports as root (the --model value)
     max_pending: int = 256  # engine requests admitted at once; more get 503
     max_body_bytes: int = 64 << 20
+    max_inflight_body_bytes: int = 256 << 20  # request bodies held at once; more get 429
     max_media_fetches: int = 32  # http(s) media fetched at once, server-wide
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -128,7 +129,8 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
 
     # NOTE: added last = runs first: ids, then the key (no body is read for a caller
     # without one), then the body cap.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       max_inflight_bytes=config.max_inflight_body_bytes)
     app.add_middleware(AuthMiddleware, tenants=config.tenants,
                        protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import openai
 from server_fixtures import (
     data_url,
     image_part,
@@ -22,10 +23,8 @@ from server_fixtures import (
     user,
     wait_for,
 )
-
-import openai  # noqa: E402 (the [test] extra)
-from triptych.api.tenancy import KeyFileError, cache_scope, read_keys_file  # noqa: E402
-from triptych.engine.block_hash import chain_hashes  # noqa: E402
+from triptych.api.tenancy import KeyFileError, cache_scope, read_keys_file
+from triptych.engine.block_hash import chain_hashes
 
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-0123456789"}
 ADMIN = "key-admin-0123456789"  # --api-key: the anonymous tenant
