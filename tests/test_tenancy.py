@@ -193,3 +193,23 @@ def test_lowered_video_caps_survive_a_processor_cache_hit_after_a_worker_restart
     # so P0 makes them again: under the request's 2 frames, as the key says.
     again = ask(admin, msgs, **low)
     assert again.usage.prompt_tokens == tokens and again.choices[0].message.content == answer
+
+
+def test_keys_come_from_the_flag_or_vllm_api_key(monkeypatch, tmp_path):
+    import argparse
+
+    from triptych.api.serve_cmd import _tenants
+
+    def args(**kw):
+        return argparse.Namespace(**{"api_key": None, "api_keys_file": None,
+                                     "protect_metrics": False, **kw})
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert not _tenants(args()).enabled
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert _tenants(args()).check(b"from-env") == (True, None)
+    assert _tenants(args(api_key="flag")).check(b"from-env") == (False, None)
+    path = tmp_path / "keys"
+    path.write_text("k1 alice\n")
+    path.chmod(0o640)
+    with pytest.raises(SystemExit):  # the CLI's one-line refusal, before anything starts
+        _tenants(args(api_keys_file=str(path)))
