@@ -132,6 +132,18 @@ def test_a_never_answering_domain_does_not_hold_up_other_fetches(tmp_path):
         with pytest.raises(MediaError, match="longer than|timed out"):
             await afetch_bytes("http://x0.blackhole.test/a.png", short, 1 << 20)
         assert not dns.release.is_set()
+        # Waiters on the domain's lookups are bounded too (4 per lookup thread: 8), so one
+        # bad name cannot take every one of the fetcher's slots.
+        more = [asyncio.ensure_future(afetch_bytes("http://x0.blackhole.test/a.png", limits,
+                                                   1 << 20)) for _ in range(10)]
+        for _ in range(3000):  # (a hang guard of tens of seconds; the refusals come at once)
+            if sum(t.done() for t in more) >= 6:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(t.done() for t in more) == 6
+        assert all("too many lookups" in str(t.exception()) for t in more if t.done())
+        pending += [t for t in more if not t.done()]
+        bad += more
         for t in pending:
             t.cancel()
         await asyncio.gather(*bad, return_exceptions=True)

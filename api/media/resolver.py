@@ -8,9 +8,10 @@ handful of threads), a few such lookups stopped every other fetch. Here:
 - lookups run on this resolver's own daemon threads (``--dns-threads``), never the default
   executor, and never keep the process from exiting;
 - concurrent lookups of one (host, port) share one thread (coalesced);
-- at most ``per_domain`` lookups per domain (the host's last two labels) run at once: a
-  lookup beyond that is refused at once, so random subdomains of one black-holed domain
-  hold at most ``per_domain`` threads;
+- at most ``per_domain`` lookups per domain (the host's last two labels) run at once, and
+  at most ``WAITERS_PER_LOOKUP`` times as many fetches wait on that domain's lookups: one
+  beyond either is refused at once, so a black-holed domain (random subdomains included)
+  holds at most ``per_domain`` threads and a few of the fetcher's slots;
 - every wait has the fetch's deadline, and a waiter that gives up (timeout, client gone)
   leaves at once; the thread finishes the lookup on its own.
 """
@@ -28,6 +29,7 @@ from typing import Any
 from triptych.api.media.limits import MediaError
 
 Lookup = Callable[[str, int], list]  # getaddrinfo-shaped: (host, port) -> address infos
+WAITERS_PER_LOOKUP = 4
 
 
 def _getaddrinfo(host: str, port: int) -> list:
@@ -48,17 +50,21 @@ class Resolver:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}
         self._running: dict[str, int] = {}  # domain -> lookups in flight
+        self._waiting: dict[str, int] = {}  # domain -> callers waiting on its lookups
         self._started = 0
 
     def _submit(self, host: str, port: int) -> concurrent.futures.Future:
+        """The lookup's future, counted as one more waiter of its domain (``_leave``)."""
         key, domain = (host, port), _domain(host)
         with self._lock:
             fut = self._pending.get(key)
-            if fut is not None:
-                return fut
-            if self._running.get(domain, 0) >= self.per_domain:
+            if self._waiting.get(domain, 0) >= WAITERS_PER_LOOKUP * self.per_domain or \
+                    (fut is None and self._running.get(domain, 0) >= self.per_domain):
                 raise MediaError("media URL host cannot be resolved (too many lookups of its "
                                  "domain pending; retry later)")
+            self._waiting[domain] = self._waiting.get(domain, 0) + 1
+            if fut is not None:
+                return fut
             fut = concurrent.futures.Future()
             self._pending[key] = fut
             self._running[domain] = self._running.get(domain, 0) + 1
@@ -67,6 +73,13 @@ class Resolver:
                 threading.Thread(target=self._work, name="triptych-dns", daemon=True).start()
         self._jobs.put((key, domain, fut))
         return fut
+
+    def _leave(self, host: str) -> None:
+        domain = _domain(host)
+        with self._lock:
+            self._waiting[domain] -= 1
+            if not self._waiting[domain]:
+                del self._waiting[domain]
 
     def _work(self) -> None:
         while True:
@@ -108,18 +121,23 @@ class Resolver:
             raise MediaError("media URL host cannot be resolved (lookup timed out)") from None
         except (OSError, UnicodeError):
             raise MediaError("media URL host cannot be resolved") from None
+        finally:
+            self._leave(host)
 
     def resolve_blocking(self, host: str, port: int, timeout_s: float) -> list:
         """``resolve`` for a worker thread (the processor re-fetching a URL)."""
         literal = self._literal(host, port)
         if literal is not None:
             return literal
+        fut = self._submit(host, port)
         try:
-            return self._submit(host, port).result(timeout_s)
+            return fut.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise MediaError("media URL host cannot be resolved (lookup timed out)") from None
         except (OSError, UnicodeError):
             raise MediaError("media URL host cannot be resolved") from None
+        finally:
+            self._leave(host)
 
 
 __all__ = ["Resolver"]
