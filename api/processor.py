@@ -138,7 +138,6 @@ class InputProcessor:
         self.fill_pixels: Any = None
         self.scope = ""  # whose uuids this view resolves (api/tenancy.py); "" = shared
 
-
     def for_request(self, media: MediaLimits | None = None, check_length: bool = True,
                     scope: str = "") -> InputProcessor:
         """A view for one request: its media limits (lowered caps, pixel budget), for a

@@ -15,7 +15,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import file_server, img, module_server, png, text_part, user
-
 from triptych.api.media.limits import MediaError, MediaLimits
 from triptych.api.media.resolver import Resolver
 from triptych.api.media.sources import afetch_bytes
