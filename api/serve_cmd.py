@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer <key>' (default: env "
                         "VLLM_API_KEY; unset: no key needed); /health, /ping, /version and "
-                        "/metrics stay open")
+                        "(unless --protect-metrics) /metrics stay open")
     t.add_argument("--api-keys-file", default=None,
                    help="file of 'KEY TENANT' lines (# comments; mode 600, owned by this "
                         "user): each tenant's uuids and prefix cache are its own")
