@@ -1,4 +1,5 @@
-"""ASGI middleware of the HTTP server: request ids and the request-body cap."""
+"""ASGI middleware of the HTTP server: request ids, the request-body cap and the bound on
+request bodies held at once."""
 from __future__ import annotations
 
 import uuid
@@ -38,10 +39,26 @@ class RequestIdMiddleware:
 
 class BodyLimitMiddleware:
     """Refuse request bodies above ``max_bytes`` with 413 before anything parses them
-    (uvicorn itself has no limit: a 10 GB data URL would be read into memory)."""
+    (uvicorn itself has no limit: a 10 GB data URL would be read into memory), and bound
+    the bytes of bodies held at once, server-wide, by ``max_inflight_bytes``.
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    A body counts from its first byte (its Content-Length, when sent, is reserved before
+    any is read) until its request has been answered: the parsed body, its data URLs and
+    decoded media live about as long. A body that does not fit gets 429 + Retry-After at
+    once (clients of vLLM-style servers retry 429), so P0's memory for bodies stays under
+    the bound however many clients send at once."""
+
+    def __init__(self, app: Any, max_bytes: int, max_inflight_bytes: int | None = None
+                 ) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.max_inflight = max_inflight_bytes or 4 * max_bytes
+        self.inflight = 0  # bytes reserved by bodies in progress (one event loop: no lock)
+
+    def _take(self, n: int) -> bool:
+        if self.inflight + n > self.max_inflight:
+            return False
+        self.inflight += n
+        return True
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -49,29 +66,65 @@ class BodyLimitMiddleware:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self._refuse(scope, receive, send)
+        held = int(length) if length is not None else 0
+        if not self._take(held):
+            return await self._shed(scope, receive, send)
+        try:
+            await self._read_and_run(scope, receive, send, held)
+        finally:
+            self.inflight -= held
+
+    async def _read_and_run(self, scope: dict, receive: Any, send: Any, held: int) -> None:
+        # NOTE: ``held`` is the caller's reservation; chunks beyond it (no Content-Length,
+        # or a client sending more than it said) are reserved as they arrive.
         body, more = [], True
-        size = 0
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":  # gone before the body arrived
-                return
-            body.append(msg.get("body", b""))
-            size += len(body[-1])
-            more = msg.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-        replayed = False
+        size = extra = 0
+        try:
+            while more:
+                msg = await receive()
+                if msg["type"] != "http.request":  # gone before the body arrived
+                    return
+                body.append(msg.get("body", b""))
+                size += len(body[-1])
+                more = msg.get("more_body", False)
+                if size > self.max_bytes:
+                    return await self._refuse(scope, receive, send)
+                if size > held + extra:
+                    if not self._take(size - held - extra):
+                        body.clear()
+                        return await self._shed(scope, receive, send, more)
+                    extra = size - held
+            replayed = False
 
-        async def replay() -> dict:  # the whole body once, then the real channel (disconnects)
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(body), "more_body": False}
-            return await receive()
+            async def replay() -> dict:  # the whole body once, then the real channel
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    data = b"".join(body)
+                    body.clear()  # the app holds the body from here on, not us as well
+                    return {"type": "http.request", "body": data, "more_body": False}
+                return await receive()
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            self.inflight -= extra
 
     async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
         resp = error_response(413, f"request body is larger than {self.max_bytes} bytes",
                               "invalid_request_error")
+        await resp(scope, receive, send)
+
+    async def _shed(self, scope: dict, receive: Any, send: Any, more: bool = True) -> None:
+        # Read the rest of the body and drop it, chunk by chunk (nothing is kept): a client
+        # still sending when the answer comes would see a reset connection, not the 429.
+        seen = 0
+        while more and seen <= self.max_bytes:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            seen += len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        resp = error_response(429, "the server is holding too many request bodies; retry "
+                                   "shortly (--max-inflight-body-bytes)", "rate_limit_error",
+                              headers={"Retry-After": "1"})
         await resp(scope, receive, send)

@@ -27,6 +27,7 @@ from triptych.api.request_checks import (
 )
 from triptych.api.sampling_checks import context_error
 from triptych.api.serving import Admission, Job, Slots
+from triptych.api.tenancy import cache_scope
 from triptych.api.truncation import keep_count, truncate
 
 
@@ -66,9 +67,10 @@ class InputStage:
             raise APIError(400, f"the chat template refused the messages: {e}",
                            param="messages") from None
 
-    def _finish(self, body: Any, prompt: ProcessedPrompt, logprobs: int | None, param: str
-                ) -> tuple[ProcessedPrompt, Any]:
-        """Truncate if asked, check the length, build the sampling parameters."""
+    def _finish(self, body: Any, prompt: ProcessedPrompt, logprobs: int | None, param: str,
+                scope: str) -> tuple[ProcessedPrompt, Any]:
+        """Truncate if asked, check the length, build the sampling parameters (which carry
+        the request's cache scope to every pool's prefix cache)."""
         if body.truncate_prompt_tokens is not None:
             keep = keep_count(body.truncate_prompt_tokens, self.limits.max_model_len,
                               body.requested_max_tokens[1])
@@ -78,14 +80,20 @@ class InputStage:
             raise context_error(self.limits.max_model_len, n, None,
                                 isinstance(body, ChatCompletionRequest), param)
         self.num_mm_items += len(prompt.mm_items)
-        return prompt, sampling_params(body, n, self.limits, logprobs)
+        sp = sampling_params(body, n, self.limits, logprobs)
+        sp.cache_salt = scope or None
+        return prompt, sp
 
-    async def chat(self, body: ChatCompletionRequest) -> tuple[list[Job], Slots]:
+    async def chat(self, body: ChatCompletionRequest, tenant: str | None = None
+                   ) -> tuple[list[Job], Slots]:
+        """``tenant``: the API key's (None: anonymous); with the body's ``cache_salt`` it
+        scopes the request's uuids and prefix cache (api/tenancy.py)."""
         check_chat(body, self.limits)
+        scope = cache_scope(tenant, body.cache_salt)
         messages = body.message_dicts()
         media = media_limits(body, self.limits.media)
         media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
-        view = self.processor.for_request(media, body.truncate_prompt_tokens is None)
+        view = self.processor.for_request(media, body.truncate_prompt_tokens is None, scope)
         add_generation = body.add_generation_prompt
         if add_generation is None:
             add_generation = not body.continue_final_message
@@ -103,24 +111,27 @@ class InputStage:
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=kwargs))
             prompt, sp = self._finish(body, prompt, (body.top_logprobs or 0)
-                                      if body.logprobs else None, "messages")
+                                      if body.logprobs else None, "messages", scope)
         except BaseException:
             slots.release_all()
             raise
         info = PromptInfo(prompt.prompt_token_ids, echo=echo, mm_tokens=_mm_tokens(prompt))
         return [Job(prompt, sp, info)], slots
 
-    async def completion(self, body: CompletionRequest) -> tuple[list[Job], Slots]:
+    async def completion(self, body: CompletionRequest, tenant: str | None = None
+                         ) -> tuple[list[Job], Slots]:
+        """As ``chat``."""
         check_completion(body, self.limits)
+        scope = cache_scope(tenant, body.cache_salt)
         prompts = body.prompts()
-        view = self.processor.for_request(None, body.truncate_prompt_tokens is None)
+        view = self.processor.for_request(None, body.truncate_prompt_tokens is None, scope)
         decode = self.processor.tokenizer.decode
         slots = self._admit(len(prompts))
         try:
             processed = await self._run(lambda: [view.process_prompt(p) for p in prompts])
             jobs = []
             for p, pp in zip(prompts, processed):
-                pp, sp = self._finish(body, pp, body.logprobs, "prompt")
+                pp, sp = self._finish(body, pp, body.logprobs, "prompt", scope)
                 echo = ""
                 if body.echo:  # the prompt as given, or as kept after truncation
                     echo = p if isinstance(p, str) and pp.prompt_text is not None else \

@@ -12,6 +12,7 @@ processor needs torchvision, see models/tiny.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -33,7 +34,7 @@ from triptych.api.media.decode import (
 from triptych.api.media.video import preprocess_video
 from triptych.api.sampling_checks import context_message
 from triptych.engine.request import MMItem
-from triptych.mmcache.hashing import hash_image, hash_media_bytes, hash_uuid, hash_video
+from triptych.mmcache.hashing import media_key
 from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex
 from triptych.router.prompt import ProcessedPrompt
 
@@ -59,6 +60,10 @@ class MediaSource:
     # dtype/shape (and so nbytes) of the item's pixels, known even when they were skipped:
     # the processor cache plans by size and a ref's wire entry describes the tensor.
     meta: ItemMeta | None = None
+    # NOTE: the media limits the item's key was made under (the request's lowered video
+    # caps; no pixel budget): load_pixels must re-make exactly the pixels the key names,
+    # not the server's defaults.
+    media: MediaLimits | None = None
 
 
 @dataclass
@@ -125,20 +130,24 @@ class InputProcessor:
         # An engine in this process (the offline LLM) sets this: hits then take their
         # pixels from its store, so every prompt handed out is complete.
         self.fill_pixels: Any = None
+        self.scope = ""  # whose uuids this view resolves (api/tenancy.py); "" = shared
 
-    def for_request(self, media: MediaLimits | None = None, check_length: bool = True
-                    ) -> InputProcessor:
-        """A view for one request: its media limits (lowered caps, pixel budget) and, for a
-        prompt the server truncates afterwards, no length check. Tokenizer and processors
-        are shared, not copied."""
+    def for_request(self, media: MediaLimits | None = None, check_length: bool = True,
+                    scope: str = "") -> InputProcessor:
+        """A view for one request: its media limits (lowered caps, pixel budget), for a
+        prompt the server truncates afterwards no length check, and the ``scope`` its
+        uuids live in (tenant + cache_salt). Tokenizer and processors are shared."""
         view = copy.copy(self)
         view.media = media or self.media
         view.max_model_len = self.max_model_len if check_length else None
+        view.scope = scope
         return view
 
-    def _video_bytes_kwargs(self) -> dict[str, Any]:
-        """Keys of encoded video bytes also cover how frames are sampled from the file,
-        read from this view's media limits (a request may lower the frame count)."""
+    def _hash_kwargs(self, kind: str) -> dict[str, Any]:
+        """Everything of this view that changes a ``kind`` item's pixels: the processor's
+        settings and, for videos, how frames are sampled (a request may lower the caps)."""
+        if kind == "image":
+            return self.image_hash_kwargs
         return {**self.video_hash_kwargs, "fps": self.media.video_fps,
                 "max_frames": self.media.max_video_frames}
 
@@ -256,31 +265,34 @@ class InputProcessor:
     def _load(self, kind: str, src: Any, uuid: str | None) -> tuple[MMItem, MediaSource]:
         """Key one item, then either take its metadata from the processor cache or decode +
         preprocess it; offset/length are filled in by _build."""
-        kwargs = self.image_hash_kwargs if kind == "image" else self.video_hash_kwargs
+        kwargs = self._hash_kwargs(kind)
+        media = dataclasses.replace(self.media, budget=None)
         key = None
         if uuid is not None:
             # A uuid names the content: on a hit nothing is fetched or decoded (a URL is
             # kept unfetched for load_pixels).
-            key = hash_uuid(kind, uuid, kwargs)
+            key = media_key(kind, kwargs, uuid=uuid, scope=self.scope)
             meta = self._lookup(key)
             if meta is not None:
                 payload = src if src is None or isinstance(src, str) else self._payload(kind, src)
-                return self._from_meta(key, meta), MediaSource(kind, payload, uuid, meta)
+                return self._from_meta(key, meta), MediaSource(kind, payload, uuid, meta, media)
             if src is None:
+                # NOTE: the same words whether nobody sent it or another tenant did (its key
+                # differs): a uuid cannot be probed across tenants.
                 raise ValueError(f"unknown {kind} uuid {uuid!r}: the server does not hold it; "
                                  f"send the {kind} with it")
         payload = self._payload(kind, src)
         if key is None:
-            key = self._content_key(kind, payload, kwargs)
+            key = media_key(kind, kwargs, payload=payload)
             meta = self._lookup(key)
             if meta is not None:
-                return self._from_meta(key, meta), MediaSource(kind, payload, None, meta)
+                return self._from_meta(key, meta), MediaSource(kind, payload, None, meta, media)
         item = self._process(kind, key, payload)
         meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
                            item.second_per_grid_t)
         if self.cache is not None:
             self.cache.put(key, meta)
-        return item, MediaSource(kind, payload, uuid, meta)
+        return item, MediaSource(kind, payload, uuid, meta, media)
 
     def _payload(self, kind: str, src: Any) -> Payload:
         """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
@@ -290,15 +302,6 @@ class InputProcessor:
         if kind == "image":
             return load_image(src, self.media)  # PIL: checked and converted to RGB
         return load_video(src, self.media)  # frame array: checked and sampled
-
-    def _content_key(self, kind: str, payload: Payload, kwargs: dict[str, Any]) -> str:
-        if isinstance(payload, bytes):
-            return hash_media_bytes(kind, payload,
-                                    kwargs if kind == "image" else self._video_bytes_kwargs())
-        if isinstance(payload, Image.Image):
-            return hash_image(payload, kwargs)
-        assert isinstance(payload, tuple)
-        return hash_video(payload[0], kwargs, payload[1])
 
     def _lookup(self, key: str) -> ItemMeta | None:
         meta = self.cache.lookup(key) if self.cache is not None else None
@@ -353,10 +356,13 @@ class InputProcessor:
         if payload is None:
             raise ValueError(f"the {item.modality} with uuid {source.uuid!r} is no longer "
                              f"cached; send the {item.modality} with it again")
+        # The settings the key was made under (the request's frame caps), not this
+        # processor's defaults: other caps give another patch grid.
+        view = self if source.media is None else self.for_request(source.media)
         if isinstance(payload, str):
-            payload = self._payload(item.modality, payload)
+            payload = view._payload(item.modality, payload)
             source.payload = payload  # fetch once
-        fresh = self._process(item.modality, item.mm_hash, payload)
+        fresh = view._process(item.modality, item.mm_hash, payload)
         if fresh.grid_thw != item.grid_thw or \
                 fresh.second_per_grid_t != item.second_per_grid_t or \
                 (source.meta is not None and not source.meta.matches(fresh.pixel_values)):

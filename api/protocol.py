@@ -135,6 +135,9 @@ class _Common(_Model):
     priority: int = Field(0, ge=-INT64 - 1, le=INT64)
     user: str | None = None
     request_id: str | None = None  # a label only: responses carry ids the server makes
+    # vLLM's prefix-cache salt: requests share cached prefixes (and, here, uuids) only
+    # with the same salt, within one tenant (api/tenancy.py)
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
     # vLLM's extension dict (SamplingParams.extra_args): here the no-repeat n-gram guard's
     # knobs, ngram_size / window_size / whitelist_token_ids (api/request_checks.py)
     vllm_xargs: dict[str, int | float | str | list[int | float | str]] | None = None
@@ -149,7 +152,6 @@ class _Common(_Model):
     logits_processors: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    cache_salt: Any = None
     kv_transfer_params: Any = None
 
 

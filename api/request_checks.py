@@ -65,7 +65,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_is_set, "custom logits processors are not supported"),
     "allowed_token_ids": (_is_set, "allowed_token_ids is not supported yet"),
     "bad_words": (_is_set, "bad_words is not supported yet"),
-    "cache_salt": (_is_set, "cache_salt is not supported yet (the prefix cache is shared)"),
     "kv_transfer_params": (_is_set, "kv_transfer_params is not supported"),
     "priority": (lambda v: v != 0, "priority scheduling is not enabled on this server"),
     "spaces_between_special_tokens": (lambda v: v is False,

@@ -32,13 +32,30 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="model name clients send (if unset: the model directory's name, or "
                         "the hub id)")
+    t = p.add_argument_group("API keys and tenants")
+    t.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer <key>' (default: env "
+                        "VLLM_API_KEY; unset: no key needed); /health, /ping, /version and "
+                        "(unless --protect-metrics) /metrics stay open")
+    t.add_argument("--api-keys-file", default=None,
+                   help="file of 'KEY TENANT' lines (# comments; mode 600, owned by this "
+                        "user): each tenant's uuids and prefix cache are its own")
+    t.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs an API key too")
     lim = p.add_argument_group("limits (each refusal names its flag)")
     lim.add_argument("--max-pending-requests", type=int, default=256,
-                     help="engine requests in flight beyond which new ones get 503 + "
+                     help="engine requests in flight beyond which new ones get 429 + "
                           "Retry-After (also the most prompts one /v1/completions request "
                           "may hold)")
     lim.add_argument("--max-request-bytes", type=int, default=64 << 20,
                      help="largest request body, data URLs included; bigger ones get 413")
+    lim.add_argument("--max-inflight-body-bytes", type=int, default=0,
+                     help="bytes of request bodies held at once, server-wide (a body counts "
+                          "until its request is answered); beyond it 429 + Retry-After "
+                          "(0: 4 x --max-request-bytes)")
+    lim.add_argument("--limit-concurrency", type=int, default=1024,
+                     help="uvicorn's limit_concurrency: open connections + tasks beyond "
+                          "which uvicorn answers 503 before reading anything")
     lim.add_argument("--max-prompt-chars", type=int, default=0,
                      help="most characters of text in one request, checked before "
                           "tokenization (0: 20 x max_model_len)")
@@ -75,6 +92,12 @@ def add_parser(subparsers: Any) -> None:
     m.add_argument("--max-concurrent-media-fetches", type=int, default=32,
                    help="media URLs fetched at once, server-wide (text requests never wait "
                         "on them)")
+    m.add_argument("--media-dns-threads", type=int, default=8,
+                   help="threads that resolve media URL hosts (their own, so a domain whose "
+                        "DNS never answers cannot hold up other fetches)")
+    m.add_argument("--media-dns-per-domain", type=int, default=2,
+                   help="lookups of one domain (its last two labels) at once; more are "
+                        "refused at once")
 
 
 def _video_caps(args: argparse.Namespace) -> tuple[int, float]:
@@ -102,11 +125,16 @@ def run(args: argparse.Namespace) -> int:
     frames, fps = _video_caps(args)
     for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
-                 "max_concurrent_media_fetches"):
+                 "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
+                 "media_dns_per_domain"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
         fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
+    if 0 < args.max_inflight_body_bytes < args.max_request_bytes or \
+            args.max_inflight_body_bytes < 0:
+        fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
+    tenants = _tenants(args)
     if model is None:
         from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
         model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
@@ -115,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model and not os.path.isdir(
         os.path.expanduser(args.model)) else os.path.basename(os.path.normpath(model)))
     try:
-        asyncio.run(_serve(args, config, model, name, frames, fps))
+        asyncio.run(_serve(args, config, model, name, frames, fps, tenants))
     except KeyboardInterrupt:
         # NOTE: uvicorn re-raises the SIGINT it handled once it has shut down cleanly;
         # asyncio.run turns that into CancelledError + KeyboardInterrupt. Ctrl-C is how a
@@ -124,12 +152,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tenants(args: argparse.Namespace) -> Any:
+    from triptych.api.tenancy import KeyFileError, Tenants, read_keys_file
+    from triptych.cli import fail
+
+    key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY")
+    try:
+        keys = read_keys_file(args.api_keys_file) if args.api_keys_file else {}
+    except KeyFileError as e:
+        fail(str(e))
+    if key is not None and key in keys:
+        fail("--api-key is also listed in --api-keys-file (one key, one tenant)")
+    if args.protect_metrics and not (key or keys):
+        fail("--protect-metrics needs --api-key or --api-keys-file")
+    return Tenants([key] if key else [], keys)
+
+
 async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, frames: int,
-                 fps: float) -> None:
+                 fps: float, tenants: Any) -> None:
     import uvicorn
     from transformers import AutoConfig
     from triptych.router.router import Router
     from triptych.api.media.decode import MediaLimits
+    from triptych.api.media.resolver import Resolver
     from triptych.api.processor import InputProcessor
     from triptych.api.request_checks import ServerLimits
     from triptych.api.server import AppConfig, build_app
@@ -146,7 +191,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         allowed_domains=tuple(d.strip() for d in args.allowed_media_domains.split(","))
         if args.allowed_media_domains else None,
         allowed_local_media_path=config.allowed_local_media_path,
-        allow_private_addresses=args.allow_private_media_urls)
+        allow_private_addresses=args.allow_private_media_urls,
+        resolver=Resolver(args.media_dns_threads, args.media_dns_per_domain))
     limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=args.max_n,
                           max_prompt_chars=args.max_prompt_chars,
                           max_prompts=args.max_pending_requests,
@@ -159,8 +205,10 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
     app_config = AppConfig(
         served_model=name, limits=limits, model_root=args.model or model,
         max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
+        max_inflight_body_bytes=args.max_inflight_body_bytes or 4 * args.max_request_bytes,
         max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info)
+        enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
+        tenants=tenants, protect_metrics=args.protect_metrics)
     from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
     cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
@@ -171,7 +219,8 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
         await client.start()
         app = build_app(client, processor, app_config, on_shutdown=client.shutdown)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="info", timeout_graceful_shutdown=2))
+                                               log_level="info", timeout_graceful_shutdown=2,
+                                               limit_concurrency=args.limit_concurrency))
         logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
         await server.serve()
     finally:  # (a no-op when the lifespan already stopped it)

@@ -36,6 +36,7 @@ from triptych.api.processor import InputProcessor
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import ServerLimits
 from triptych.api.serving import Admission, Generation, Job, Responder, Slots
+from triptych.api.tenancy import AuthMiddleware, Tenants, tenant_of
 
 logger = logging.getLogger("triptych.api")
 _TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "json_invalid"}
@@ -49,10 +50,13 @@ class AppConfig:
     model_root: str | None = None  # what /v1/models reports as root (the --model value)
     max_pending: int = 256  # engine requests admitted at once; more get 503
     max_body_bytes: int = 64 << 20
+    max_inflight_body_bytes: int = 256 << 20  # request bodies held at once; more get 429
     max_media_fetches: int = 32  # http(s) media fetched at once, server-wide
     block_size: int = 16
     enable_prefix_caching: bool = True
     cache_info: dict[str, str] = field(default_factory=dict)  # cache_config_info labels
+    tenants: Tenants = field(default_factory=Tenants)  # API keys (none: an open server)
+    protect_metrics: bool = False  # /metrics needs a key too
 
 
 def field_path(loc: tuple) -> str:
@@ -123,7 +127,12 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         logger.exception("unhandled error")  # the log gets the details; the client does not
         return error_response(500, "internal server error", "server_error")
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # NOTE: added last = runs first: ids, then the key (no body is read for a caller
+    # without one), then the body cap.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       max_inflight_bytes=config.max_inflight_body_bytes)
+    app.add_middleware(AuthMiddleware, tenants=config.tenants,
+                       protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
@@ -184,13 +193,13 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        jobs, slots = await stage.chat(body)
+        jobs, slots = await stage.chat(body, tenant_of(raw.scope))
         return await run(jobs, slots, body, raw, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        jobs, slots = await stage.completion(body)
+        jobs, slots = await stage.completion(body, tenant_of(raw.scope))
         return await run(jobs, slots, body, raw, chat=False)
 
     @app.post("/invocations")

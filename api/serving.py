@@ -50,7 +50,9 @@ class Admission:
 
     def reserve(self, k: int) -> Slots:
         if self.active + k > self.limit:
-            raise APIError(503, "the server is overloaded; retry shortly", "server_error",
+            # 429, as vLLM-style clients retry it (the openai SDK does, after Retry-After)
+            raise APIError(429, "the server is overloaded; retry shortly "
+                                "(--max-pending-requests)", "rate_limit_error",
                            headers={"Retry-After": "1"})
         self.active += k
         return Slots(self, k)

@@ -41,6 +41,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's extension dict: the n-gram guard's knobs under vLLM's names (ngram_size,
     # window_size, whitelist_token_ids), as DeepSeek-OCR's recipes pass them
     extra_args: dict[str, Any] | None = None
+    # Prefix-cache scope (vLLM's request-level ``cache_salt``, plus the tenant on a server
+    # with API keys): salts the first block's hash, so only requests with the same value
+    # share cached KV. The server sets it; None = the shared cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +123,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                              "non-negative (0: off / the whole output)")
         if any(not 0 <= t <= _INT64 for t in self.no_repeat_ngram_whitelist or []):
             raise ValueError("no_repeat_ngram_whitelist must hold non-negative token ids")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if provided")
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-RETRIES_ON_OVERLOAD = 8  # 503 + Retry-After (the admission queue is full): wait, send again
+RETRIES_ON_OVERLOAD = 8  # 429/503 + Retry-After (admission or bodies full): wait, send again
 
 
 @dataclass
@@ -41,11 +41,11 @@ class Backend:
         self.client, self.served_model = client, served_model
 
     async def post(self, path: str, body: dict[str, Any]) -> Reply:
-        """POST ``body`` as JSON to ``path``; an overloaded server (503 with Retry-After) is
+        """POST ``body`` as JSON to ``path``; an overloaded server (429 or 503 with Retry-After) is
         waited for and asked again, a bounded number of times."""
         for attempt in range(RETRIES_ON_OVERLOAD + 1):
             r = await self.client.post(path, json=body)
-            if r.status_code == 503 and "retry-after" in r.headers \
+            if r.status_code in (429, 503) and "retry-after" in r.headers \
                     and attempt < RETRIES_ON_OVERLOAD:
                 await asyncio.sleep(min(float(r.headers["retry-after"] or 1), 5.0)
                                     * (attempt + 1))

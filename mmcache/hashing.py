@@ -9,7 +9,13 @@ repeated image costs a hash at most. Three kinds, each behind its own domain tag
   image or a frame array given to the offline API). They cover mode, size, dtype and shape:
   hashing only the pixel bytes made a 30x100 and a 100x30 image collide (CVE-2025-46722).
 - ``hash_uuid``: a client-chosen ``uuid`` of a content part; the client promises that one
-  uuid always names the same content (vLLM's semantics).
+  uuid always names the same content (vLLM's semantics). A uuid is a name, not content, so
+  its key also covers the *scope* it was named in (the tenant and the request's
+  ``cache_salt``): one tenant's uuid never finds, nor plants, another tenant's pixels.
+
+``media_key`` picks among them: it is the one place that decides an item's key, so every
+cache (P0's processor-cache index, worker pixel stores, the shm ring, encoder caches, the
+prefix-block hashes that carry mm keys) agrees on what an item is.
 
 Every key also covers the modality and every processor kwarg that changes the processed
 result. Encoding: a domain tag, then each field length-prefixed, so no two different inputs
@@ -62,15 +68,18 @@ def hash_media_bytes(modality: str, data: bytes, processor_kwargs: dict[str, Any
     return h.hexdigest()
 
 
-def hash_uuid(modality: str, uuid: str, processor_kwargs: dict[str, Any]) -> str:
-    """Key of a client-named item: the uuid, scoped to the modality and processor kwargs
-    (the same uuid under other processor settings is other pixel values)."""
+def hash_uuid(modality: str, uuid: str, processor_kwargs: dict[str, Any], scope: str = ""
+              ) -> str:
+    """Key of a client-named item: the uuid, scoped to the modality, the processor kwargs
+    (the same uuid under other processor settings is other pixel values) and the naming
+    ``scope`` (tenant + cache_salt; "" when the server has neither)."""
     _check_modality(modality)
     if not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_LEN:
         raise ValueError(f"a content part's uuid must be a non-empty string of at most "
                          f"{MAX_UUID_LEN} characters")
     h = hashlib.blake2b(digest_size=32)
-    _field(h, b"triptych.uuid.v1")
+    _field(h, b"triptych.uuid.v2")
+    _field(h, scope.encode("utf-8", "surrogatepass"))
     _field(h, modality.encode())
     _field(h, _kwargs_bytes(processor_kwargs))
     _field(h, uuid.encode("utf-8", "surrogatepass"))
@@ -97,3 +106,25 @@ def hash_video(frames: np.ndarray, processor_kwargs: dict[str, Any], fps: float)
     _field(h, _kwargs_bytes(processor_kwargs))
     _field(h, frames.tobytes())
     return h.hexdigest()
+
+
+def media_key(modality: str, processor_kwargs: dict[str, Any], *, uuid: str | None = None,
+              payload: Any = None, scope: str = "") -> str:
+    """The key of one media item: from its ``uuid`` when the client named it (scoped), else
+    from ``payload`` (encoded bytes, a PIL image, or sampled ``(frames, fps)``).
+
+    ``processor_kwargs`` must hold everything that changes the item's pixels, the
+    request's effective video sampling caps included: whatever re-makes the pixels later
+    (``InputProcessor.load_pixels``) must use exactly these settings. Content keys are not
+    scoped: the server hashed the content itself, so a hit across tenants reveals nothing
+    the other tenant did not already hold.
+    """
+    if uuid is not None:
+        return hash_uuid(modality, uuid, processor_kwargs, scope)
+    if isinstance(payload, bytes):
+        return hash_media_bytes(modality, payload, processor_kwargs)
+    if isinstance(payload, Image.Image):
+        return hash_image(payload, processor_kwargs)
+    if isinstance(payload, tuple) and len(payload) == 2:
+        return hash_video(payload[0], processor_kwargs, payload[1])
+    raise TypeError(f"cannot key a {modality} given as {type(payload).__name__}")

@@ -242,7 +242,7 @@ class Router:
         finished = False
         try:
             request.hashes = chain_hashes(prompt.prompt_token_ids, prompt.mm_items,
-                                          self.config.block_size)
+                                          self.config.block_size, salt=params.cache_salt)
             for pool in self.layout.pools_for(bool(prompt.mm_items)):
                 if not self.registry.live(pool):
                     raise EngineDeadError(f"no live worker in the {pool} pool (restarting); "

@@ -4,6 +4,7 @@ pixel budget. A request may lower a cap (api/request_checks.py:media_limits), ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class MediaError(ValueError):
@@ -46,6 +47,8 @@ class MediaLimits:
     allowed_local_media_path: str | None = None  # local paths only under this directory
     allow_private_addresses: bool = False  # allow URLs resolving to private/loopback addresses
     budget: PixelBudget | None = None  # this request's pixel budget (None: per-item caps only)
+    resolver: Any = None  # api/media/resolver.py's Resolver (None: getaddrinfo in the caller's
+    # thread, as the offline API does)
 
     def charge(self, pixels: int) -> None:
         if self.budget is not None:

@@ -92,12 +92,8 @@ def local_file(path: str, limits: MediaLimits, max_bytes: int) -> bytes:
 
 
 # -- http(s) --------------------------------------------------------------------------------
-def _vetted_address(host: str, port: int, check: bool) -> str:
-    """One address of ``host``; with ``check``, every address must be public."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        raise MediaError("media URL host cannot be resolved") from None
+def _vetted_address(infos: list, check: bool) -> str:
+    """One address of a host's ``infos``; with ``check``, every address must be public."""
     addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     for ip in addrs:
         mapped = ip.ipv4_mapped if ip.version == 6 else None  # ::ffff:127.0.0.1 is loopback
@@ -109,12 +105,37 @@ def _vetted_address(host: str, port: int, check: bool) -> str:
     return str(addrs[0])
 
 
-def plan_hop(url: str, limits: MediaLimits) -> tuple[str, dict[str, str], dict[str, Any]]:
+Hop = tuple[str, dict[str, str], dict[str, Any]]  # pinned URL, headers, extensions
+
+
+def plan_hop(url: str, limits: MediaLimits) -> Hop:
     """Check one hop's URL; return (URL pinned to the vetted address, headers, extensions).
 
     NOTE: the URL is parsed once, here, and the request goes to the address checked here:
     httpx never re-parses the client's host (parser mismatches) or re-resolves it (rebinding).
     """
+    parts, host, port, check = _hop_target(url, limits)
+    if limits.resolver is not None:
+        infos = limits.resolver.resolve_blocking(host, port, limits.fetch_timeout_s)
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            raise MediaError("media URL host cannot be resolved") from None
+    return _pinned(parts, host, port, _vetted_address(infos, check))
+
+
+async def aplan_hop(url: str, limits: MediaLimits) -> Hop:
+    """``plan_hop`` on an event loop: the lookup on the resolver's own bounded threads."""
+    if limits.resolver is None:
+        return await asyncio.to_thread(plan_hop, url, limits)
+    parts, host, port, check = _hop_target(url, limits)
+    infos = await limits.resolver.resolve(host, port, limits.fetch_timeout_s)
+    return _pinned(parts, host, port, _vetted_address(infos, check))
+
+
+def _hop_target(url: str, limits: MediaLimits) -> tuple[Any, str, int, bool]:
+    """-> (parsed URL, host, port, whether its addresses must be public)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -132,7 +153,10 @@ def plan_hop(url: str, limits: MediaLimits) -> tuple[str, dict[str, str], dict[s
     listed = allowed is not None and host in {d.lower().rstrip(".") for d in allowed}
     if allowed is not None and not listed:
         raise MediaError("media URL host is not in the allowed domains (--allowed-media-domains)")
-    ip = _vetted_address(host, port, check=not (limits.allow_private_addresses or listed))
+    return parts, host, port, not (limits.allow_private_addresses or listed)
+
+
+def _pinned(parts: Any, host: str, port: int, ip: str) -> Hop:
     netloc = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
     pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
     default_port = port == (443 if parts.scheme == "https" else 80)
@@ -210,7 +234,7 @@ async def _afetch(url: str, limits: MediaLimits, max_bytes: int) -> bytes:
     deadline = time.monotonic() + t
     async with httpx.AsyncClient(timeout=t, follow_redirects=False, trust_env=False) as client:
         for _ in range(limits.max_redirects + 1):
-            target, headers, ext = await asyncio.to_thread(plan_hop, url, limits)
+            target, headers, ext = await aplan_hop(url, limits)
             try:
                 async with client.stream("GET", target, headers=headers, extensions=ext) as r:
                     if r.is_redirect:
