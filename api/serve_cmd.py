@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 logger = logging.getLogger("triptych.api")
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything the command line can get wrong fails here, in one line, before any
     # process starts or any weight is read.
     model = resolve_model(args.model) if args.model else None
-    frames, fps = _video_caps(args)
+    _video_caps(args)  # bad video caps fail here, before any process starts
     for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
                  "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
@@ -135,15 +137,10 @@ def run(args: argparse.Namespace) -> int:
             args.max_inflight_body_bytes < 0:
         fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
     tenants = _tenants(args)
-    if model is None:
-        from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
-        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
-        logger.info("no --model given: serving the tiny random demo checkpoint at %s", model)
+    model, name = served_model(args, model)
     config = engine_config_from_args(args, model=model)
-    name = args.served_model_name or (args.model if args.model and not os.path.isdir(
-        os.path.expanduser(args.model)) else os.path.basename(os.path.normpath(model)))
     try:
-        asyncio.run(_serve(args, config, model, name, frames, fps, tenants))
+        asyncio.run(_serve(args, config, model, name, tenants))
     except KeyboardInterrupt:
         # NOTE: uvicorn re-raises the SIGINT it handled once it has shut down cleanly;
         # asyncio.run turns that into CancelledError + KeyboardInterrupt. Ctrl-C is how a
@@ -168,34 +165,55 @@ def _tenants(args: argparse.Namespace) -> Any:
     return Tenants([key] if key else [], keys)
 
 
-async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, frames: int,
-                 fps: float, tenants: Any) -> None:
-    import uvicorn
+def served_model(args: argparse.Namespace, model: str | None) -> tuple[str, str]:
+    """(checkpoint directory, served name): the resolved ``--model``, or the tiny demo
+    checkpoint when none was given."""
+    if model is None:
+        from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
+        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+        logger.info("no --model given: serving the tiny random demo checkpoint at %s", model)
+    name = getattr(args, "served_model_name", None) or (
+        args.model if args.model and not os.path.isdir(os.path.expanduser(args.model))
+        else os.path.basename(os.path.normpath(model)))
+    return model, name
+
+
+@contextlib.asynccontextmanager
+async def app_and_router(limits: argparse.Namespace, config: Any, model: str, name: str,
+                         tenants: Any = None, max_pending: int | None = None
+                         ) -> AsyncIterator[tuple[Any, Any]]:
+    """serve's FastAPI app over a started Router, configured from ``limits`` (a namespace
+    with every server-side flag of ``triptych serve``: media caps, body and admission
+    bounds, ...). ``triptych serve`` puts uvicorn in front of it; the batch jobs drive it
+    in-process. The router stops when the block ends."""
     from transformers import AutoConfig
-    from triptych.router.router import Router
     from triptych.api.media.decode import MediaLimits
     from triptych.api.media.resolver import Resolver
     from triptych.api.processor import InputProcessor
     from triptych.api.request_checks import ServerLimits
     from triptych.api.server import AppConfig, build_app
     from triptych.engine.engine_core import resolve_max_model_len
+    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+    from triptych.router.router import Router
 
+    frames, fps = _video_caps(limits)
+    max_pending = max_pending or limits.max_pending_requests
     hf = AutoConfig.from_pretrained(model, local_files_only=True)
     text = getattr(hf, "text_config", hf)
     max_len = resolve_max_model_len(config, text.max_position_embeddings)
     media = MediaLimits(
-        max_image_bytes=args.max_media_bytes, max_video_bytes=args.max_media_bytes,
-        max_image_pixels=args.max_image_pixels, max_video_pixels=args.max_video_pixels,
-        max_request_pixels=args.max_request_pixels, video_fps=fps, max_video_frames=frames,
-        max_video_seconds=args.max_video_seconds, fetch_timeout_s=args.media_fetch_timeout,
-        allowed_domains=tuple(d.strip() for d in args.allowed_media_domains.split(","))
-        if args.allowed_media_domains else None,
+        max_image_bytes=limits.max_media_bytes, max_video_bytes=limits.max_media_bytes,
+        max_image_pixels=limits.max_image_pixels, max_video_pixels=limits.max_video_pixels,
+        max_request_pixels=limits.max_request_pixels, video_fps=fps, max_video_frames=frames,
+        max_video_seconds=limits.max_video_seconds, fetch_timeout_s=limits.media_fetch_timeout,
+        allowed_domains=tuple(d.strip() for d in limits.allowed_media_domains.split(","))
+        if limits.allowed_media_domains else None,
         allowed_local_media_path=config.allowed_local_media_path,
-        allow_private_addresses=args.allow_private_media_urls,
-        resolver=Resolver(args.media_dns_threads, args.media_dns_per_domain))
-    limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=args.max_n,
-                          max_prompt_chars=args.max_prompt_chars,
-                          max_prompts=args.max_pending_requests,
+        allow_private_addresses=limits.allow_private_media_urls,
+        resolver=Resolver(limits.media_dns_threads, limits.media_dns_per_domain))
+    checks = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size,
+                          max_n=limits.max_n, max_prompt_chars=limits.max_prompt_chars,
+                          max_prompts=max_pending,
                           limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media)
     cache_info = {"block_size": str(config.block_size),
                   "enable_prefix_caching": str(config.enable_prefix_caching),
@@ -203,25 +221,32 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str, f
                   "gpu_memory_utilization": str(config.gpu_memory_utilization),
                   "kv_cache_memory": str(config.kv_cache_memory), "cache_dtype": "auto"}
     app_config = AppConfig(
-        served_model=name, limits=limits, model_root=args.model or model,
-        max_pending=args.max_pending_requests, max_body_bytes=args.max_request_bytes,
-        max_inflight_body_bytes=args.max_inflight_body_bytes or 4 * args.max_request_bytes,
-        max_media_fetches=args.max_concurrent_media_fetches, block_size=config.block_size,
+        served_model=name, limits=checks, model_root=limits.model or model,
+        max_pending=max_pending, max_body_bytes=limits.max_request_bytes,
+        max_inflight_body_bytes=limits.max_inflight_body_bytes or 4 * limits.max_request_bytes,
+        max_media_fetches=limits.max_concurrent_media_fetches, block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
-        tenants=tenants, protect_metrics=args.protect_metrics)
-    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
+        protect_metrics=limits.protect_metrics,
+        **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
     cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
                                media_limits=media, max_model_len=max_len,
                                cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
-    client = Router(config, processor.tokenizer, processor=processor)
+    router = Router(config, processor.tokenizer, processor=processor)
     try:
-        await client.start()
-        app = build_app(client, processor, app_config, on_shutdown=client.shutdown)
+        await router.start()
+        yield build_app(router, processor, app_config, on_shutdown=router.shutdown), router
+    finally:  # (a no-op when the lifespan already stopped it)
+        await router.shutdown()
+
+
+async def _serve(args: argparse.Namespace, config: Any, model: str, name: str,
+                 tenants: Any) -> None:
+    import uvicorn
+
+    async with app_and_router(args, config, model, name, tenants) as (app, _):
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level="info", timeout_graceful_shutdown=2,
                                                limit_concurrency=args.limit_concurrency))
         logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
         await server.serve()
-    finally:  # (a no-op when the lifespan already stopped it)
-        await client.shutdown()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,59 +87,19 @@ def _serve_defaults() -> argparse.Namespace:
 
 @contextlib.asynccontextmanager
 async def _in_process(args: argparse.Namespace, max_pending: int) -> AsyncIterator[Backend]:
-    from transformers import AutoConfig
-    from triptych.api.media.decode import MediaLimits
-    from triptych.api.processor import InputProcessor
-    from triptych.api.request_checks import ServerLimits
-    from triptych.api.serve_cmd import _video_caps
-    from triptych.api.server import AppConfig, build_app
+    from triptych.api.serve_cmd import app_and_router, served_model
     from triptych.cli import engine_config_from_args, resolve_model
-    from triptych.engine.engine_core import resolve_max_model_len
-    from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
-    from triptych.router.router import Router
 
-    model = resolve_model(args.model) if args.model else None
-    if model is None:
-        from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
-        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+    model, name = served_model(args, resolve_model(args.model) if args.model else None)
     config = engine_config_from_args(args, model=model)
-    name = args.model if args.model and not os.path.isdir(os.path.expanduser(args.model)) \
-        else os.path.basename(os.path.normpath(model))
-    s = _serve_defaults()
-    frames, fps = _video_caps(s)
-    hf = AutoConfig.from_pretrained(model, local_files_only=True)
-    text = getattr(hf, "text_config", hf)
-    max_len = resolve_max_model_len(config, text.max_position_embeddings)
-    media = MediaLimits(
-        max_image_bytes=s.max_media_bytes, max_video_bytes=s.max_media_bytes,
-        max_image_pixels=s.max_image_pixels, max_video_pixels=s.max_video_pixels,
-        max_request_pixels=s.max_request_pixels, video_fps=fps, max_video_frames=frames,
-        max_video_seconds=s.max_video_seconds, fetch_timeout_s=s.media_fetch_timeout,
-        allowed_local_media_path=config.allowed_local_media_path)
-    limits = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size, max_n=s.max_n,
-                          max_prompt_chars=s.max_prompt_chars, max_prompts=max_pending,
-                          limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media)
-    app_config = AppConfig(served_model=name, limits=limits, model_root=args.model or model,
-                           max_pending=max_pending, max_body_bytes=s.max_request_bytes,
-                           max_media_fetches=s.max_concurrent_media_fetches,
-                           block_size=config.block_size,
-                           enable_prefix_caching=config.enable_prefix_caching)
-    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
-    processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
-                               media_limits=media, max_model_len=max_len,
-                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
-    router = Router(config, processor.tokenizer, processor=processor)
-    try:
-        await router.start()
-        app = build_app(router, processor, app_config)
+    async with app_and_router(_serve_defaults(), config, model, name,
+                              max_pending=max_pending) as (app, _):
         # raise_app_exceptions=False: the app answers its own failures with a 500 body, as
         # it would over a socket; the job records it for that line and goes on.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://in-process",
                                      timeout=None) as client:
             yield Backend(client, name)
-    finally:
-        await router.shutdown()
 
 
 @contextlib.asynccontextmanager
