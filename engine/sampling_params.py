@@ -5,6 +5,7 @@ import math
 from typing import Any
 
 import msgspec
+from triptych.engine.structured_params import StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 
@@ -41,6 +42,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's extension dict: the n-gram guard's knobs under vLLM's names (ngram_size,
     # window_size, whitelist_token_ids), as DeepSeek-OCR's recipes pass them
     extra_args: dict[str, Any] | None = None
+    # Structured output (engine/grammar.py): the output must match this schema / regex /
+    # choice / grammar; None = unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
