@@ -26,7 +26,9 @@ from triptych.api.request_checks import (
 )
 from triptych.api.sampling_checks import context_error
 from triptych.api.serving import Admission, Job, Slots
+from triptych.api.structured import check_structured
 from triptych.api.truncation import keep_count, truncate
+from triptych.engine.grammar_compiler import GrammarCompiler
 
 
 def _text(content: Any) -> str:
@@ -48,6 +50,8 @@ class InputStage:
         self.processor, self.limits, self.admission = processor, limits, admission
         self.fetcher, self.alive = fetcher, alive
         self.num_mm_items = 0  # images/videos processed (the processor cache's queries)
+        tok = processor.tokenizer  # structured output: P0's compile check (api/structured.py)
+        self.grammars = GrammarCompiler(tok, limits.vocab_size, tok.eos_token_id)
 
     def _admit(self, k: int) -> Slots:
         if not self.alive():
@@ -81,6 +85,7 @@ class InputStage:
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[list[Job], Slots]:
         check_chat(body, self.limits)
+        await check_structured(body, self.grammars)
         messages = body.message_dicts()
         media = media_limits(body, self.limits.media)
         media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
@@ -111,6 +116,7 @@ class InputStage:
 
     async def completion(self, body: CompletionRequest) -> tuple[list[Job], Slots]:
         check_completion(body, self.limits)
+        await check_structured(body, self.grammars)
         prompts = body.prompts()
         view = self.processor.for_request(None, body.truncate_prompt_tokens is None)
         decode = self.processor.tokenizer.decode

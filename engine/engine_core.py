@@ -92,8 +92,8 @@ class EngineCore:
         self.timings = RequestTimings()
         # Structured output: grammars compile on the compiler's threads, not in a step; the
         # batch's matchers take them from its cache (the tokenizer loads on first use).
-        self.grammars = GrammarCompiler(lambda: _load_tokenizer(config), self.shape.vocab_size,
-                                        eos_token_id)
+        self.grammars = GrammarCompiler(None, self.shape.vocab_size, eos_token_id,
+                                        load=lambda: _load_tokenizer(config))
         self.runner.batch.grammars.compile = self.grammars.compile
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d%s", config.model, self.device, self.dtype,

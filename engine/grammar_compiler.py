@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -32,13 +33,13 @@ JSON_MAX_WHITESPACE = 4  # whitespace characters allowed between JSON tokens (wh
 
 
 class GrammarCompiler:
-    """Compile cache of one tokenizer. ``tokenizer``: an HF tokenizer, or a callable that
-    loads one (built lazily on the pool's thread: a worker that never sees a structured
-    request never loads it)."""
+    """Compile cache of one tokenizer. ``tokenizer``: an HF tokenizer; or ``load``, a
+    function that loads one on first use (on the compiler's thread: a worker that never
+    sees a structured request never loads it)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
-                 max_threads: int = 2) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, *,
+                 load: Callable[[], Any] | None = None, max_threads: int = 2) -> None:
+        self._tokenizer, self._load = tokenizer, load
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
@@ -52,7 +53,7 @@ class GrammarCompiler:
             if self._xgr is None:
                 import xgrammar as xgr
 
-                tok = self._tokenizer() if callable(self._tokenizer) else self._tokenizer
+                tok = self._tokenizer if self._load is None else self._load()
                 stop = [self.eos_token_id] if self.eos_token_id is not None else None
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                           stop_token_ids=stop)
@@ -106,7 +107,8 @@ class GrammarCompiler:
             if kind == "grammar":
                 return comp.compile_grammar(text)
             return comp.compile_structural_tag(*_structural_tag_args(text))
-        except Exception as e:  # xgrammar's RuntimeError / ValueError / InvalidJSONError
+        except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError, ValueError,
+            # InvalidJSONError...: each one is the spec's fault and names it)
             msg = str(e).strip().splitlines()
             raise ValueError(f"invalid {kind} constraint: "
                              f"{' '.join(msg)[:500] or type(e).__name__}") from None

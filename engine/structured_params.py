@@ -48,9 +48,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported "
                              "(use disable_any_whitespace)")
-        if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of "
+        if self.choice is not None and (
+                not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of "
                                  "strings")
         if isinstance(self.json, str):
             try:
