@@ -15,6 +15,7 @@ ends with finish_reason "stop"; ``max_tokens`` still cuts it short ("length").
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ class GrammarState:
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self.num_masked_steps = 0
+        self.mask_seconds = 0.0  # time in fill + apply (bench/grammar.py reads it)
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -83,6 +85,7 @@ class GrammarState:
             return logits
         import xgrammar as xgr
 
+        t0 = time.perf_counter()
         n, vocab = logits.shape
         if self._bitmask is None or self._bitmask.shape[0] < n or \
                 self._bitmask.shape[1] != (vocab + 31) // 32:
@@ -93,4 +96,5 @@ class GrammarState:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
                                         indices=[i for i, _ in rows])
         self.num_masked_steps += 1
+        self.mask_seconds += time.perf_counter() - t0
         return logits

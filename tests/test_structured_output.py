@@ -221,3 +221,43 @@ def test_offline_generate_with_structured_outputs(tiny_qwen2_vl):
     assert grammars.num_masked_steps == masked, "a batch without grammars pays nothing"
     with pytest.raises(ValueError, match="regex"):
         llm.generate(["x"], SamplingParams(structured_outputs=S(regex="(")), use_tqdm=False)
+
+
+def test_a_rejoining_request_replays_its_tokens_into_a_fresh_matcher(tiny_qwen2_vl):
+    """Preemption, KV import and migration all rejoin through InputBatch.add: the mask after
+    the replay equals the mask of a matcher that saw every step."""
+    import torch
+    from transformers import AutoTokenizer
+    from triptych.engine.grammar import GrammarState
+    from triptych.engine.grammar_compiler import GrammarCompiler
+    from triptych.engine.request import Request
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_vl)
+    vocab = 640  # logits may be wider than the tokenizer (padded embeddings)
+    comp = GrammarCompiler(tok, vocab, tok.eos_token_id)
+    spec = StructuredOutputsParams(json=SCHEMAS[13], disable_any_whitespace=True)
+    req = Request("r", [1, 2], SamplingParams(structured_outputs=spec))
+    state = GrammarState()
+    state.compile = comp.compile
+    state.add(req)
+    text = '{"color": "green", "size": "M"}'
+    ids = tok.encode(text, add_special_tokens=False)
+    for t in ids[:5]:
+        state.accept("r", t)
+        req.output_token_ids.append(t)
+    live = state.mask(torch.zeros(1, vocab), ["r"])
+    state.remove("r")
+    assert "r" not in state and not state
+    state.add(req)  # rejoins: the five tokens replayed
+    assert torch.equal(state.mask(torch.zeros(1, vocab), ["r"]), live)
+    allowed = torch.isfinite(live[0]).nonzero()[:, 0].tolist()
+    assert ids[5] in allowed and len(allowed) < vocab
+    for t in ids[5:]:
+        state.accept("r", t)
+    end = state.mask(torch.zeros(1, vocab), ["r"])
+    assert torch.isfinite(end[0]).nonzero()[:, 0].tolist() == [tok.eos_token_id]
+    bad = Request("b", [1], SamplingParams(structured_outputs=spec))
+    bad.output_token_ids = tok.encode("[", add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not follow"):
+        state.add(bad)
+    comp.close()
