@@ -6,7 +6,7 @@ first token from a prefill worker, migrated here with streamed tokens) gets a fr
 into which its output tokens so far are replayed; each sampled token advances it; leaving
 drops it. A step with no grammar row costs nothing (no bitmask, no call):
 
-    logits [S, vocab] --(rows with a matcher: fill their bitmask rows)--> bitmask [S, words]
+    logits [S, vocab] --(rows with a matcher: one batched fill)--> bitmask [S, words]
                       --apply_token_bitmask_inplace(indices=those rows)--> masked in place
 
 Once a grammar is complete its matcher allows only the stop token (EOS), so the request
@@ -34,6 +34,7 @@ class GrammarState:
         # engine core (its GrammarCompiler): the batch itself knows no tokenizer
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
+        self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self.num_masked_steps = 0
         self.mask_seconds = 0.0  # time in fill + apply (bench/grammar.py reads it)
 
@@ -91,10 +92,11 @@ class GrammarState:
                 self._bitmask.shape[1] != (vocab + 31) // 32:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 8), vocab)
         bitmask = self._bitmask[:n]
-        for i, m in rows:
-            m.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
-                                        indices=[i for i, _ in rows])
+        idx = [i for i, _ in rows]
+        if self._filler is None:  # fills the rows on the worker's torch threads
+            self._filler = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
+        self._filler.batch_fill_next_token_bitmask([m for _, m in rows], bitmask, idx)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=idx)
         self.num_masked_steps += 1
         self.mask_seconds += time.perf_counter() - t0
         return logits
