@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -109,9 +110,11 @@ class GrammarCompiler:
             return comp.compile_structural_tag(*_structural_tag_args(text))
         except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError, ValueError,
             # InvalidJSONError...: each one is the spec's fault and names it)
-            msg = str(e).strip().splitlines()
+            # (xgrammar's C++ checks prefix "[time] file:line: Check failed: (...) is false:")
+            msg = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "",
+                         " ".join(str(e).strip().splitlines()))
             raise ValueError(f"invalid {kind} constraint: "
-                             f"{' '.join(msg)[:500] or type(e).__name__}") from None
+                             f"{msg[:500] or type(e).__name__}") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

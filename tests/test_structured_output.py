@@ -158,6 +158,8 @@ def test_n3_json_object_grammar_and_images(client):
      "exactly one"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"structured_outputs": {"structural_tag": '{"format": 3}'}}, "structured_outputs",
+     "Format must be an object"),
 ])
 def test_invalid_constraints_are_400s_naming_the_reason(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -207,14 +209,19 @@ def test_a_decode_worker_kill_mid_stream_keeps_the_grammar(server, client):
 def test_offline_generate_with_structured_outputs(tiny_qwen2_vl):
     llm = LLM(tiny_qwen2_vl, block_size=4, max_model_len=512)
     S = StructuredOutputsParams
-    specs = [S(json=SCHEMAS[12]), S(regex=REGEXES[1]), S(choice=CHOICES), S(json_object=True)]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<a>"},
+        {"type": "json_schema", "json_schema": {"type": "boolean"}}]}}
+    specs = [S(json=SCHEMAS[12]), S(regex=REGEXES[1]), S(choice=CHOICES), S(json_object=True),
+             S(structural_tag=json.dumps(tag))]
     params = [SamplingParams(max_tokens=160, seed=i, structured_outputs=s)
               for i, s in enumerate(specs)] + [SamplingParams(max_tokens=8, seed=9)]
-    outs = [o.outputs[0] for o in llm.generate(["Go:"] * 5, params, use_tqdm=False)]
+    outs = [o.outputs[0] for o in llm.generate(["Go:"] * 6, params, use_tqdm=False)]
     check_json(outs[0].text, SCHEMAS[12])
     assert re.fullmatch(REGEXES[1], outs[1].text) and outs[2].text in CHOICES
     assert isinstance(json.loads(outs[3].text), dict)
-    assert all(o.finish_reason == "stop" for o in outs[:4]), outs
+    assert re.fullmatch(r"<a>\s*(true|false)\s*", outs[4].text), outs[4].text
+    assert all(o.finish_reason == "stop" for o in outs[:5]), outs
     grammars = llm.engine.core.runner.batch.grammars
     masked = grammars.num_masked_steps
     llm.generate(["Plain:"] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
