@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from triptych.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "__version__"]
+__all__ = ["EngineConfig", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
