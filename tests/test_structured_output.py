@@ -122,7 +122,7 @@ def test_regex_and_choice_outputs_match(client):
         assert [c.message.content in CHOICES for c in out.choices] == [True] * 3
 
 
-def test_n3_json_object_grammar_and_images(client):
+def test_n3_json_object_grammar_and_images(server, client):
     schema = SCHEMAS[13]
     out = chat(client, {"structured_outputs": {"json": schema}}, n=3, seed=7)
     assert len(out.choices) == 3
@@ -140,10 +140,14 @@ def test_n3_json_object_grammar_and_images(client):
         out.choices[0].finish_reason == "length"
     # The same image twice: the second request hits the processor and prefix caches.
     msgs = user(image_part(data_url(png(img(5)))), text_part("Describe it as JSON."))
+    hits = [server.metric(f"triptych:{c}_hits_total") for c in ("prefix_cache",
+                                                                 "mm_processor_cache")]
     for seed in (1, 1):
         out = chat(client, {"structured_outputs": {"json": SCHEMAS[15]}}, messages=msgs,
                    seed=seed)
         check_json(out.choices[0].message.content, SCHEMAS[15])
+    assert [server.metric(f"triptych:{c}_hits_total") > h for c, h in zip(
+        ("prefix_cache", "mm_processor_cache"), hits)] == [True, True]
     # Stop strings and max_tokens still apply: a cut-off is finish_reason length.
     out = chat(client, {"guided_json": SCHEMAS[14]}, max_tokens=3)
     assert out.choices[0].finish_reason == "length"
