@@ -1,19 +1,21 @@
 """triptych: a multimodal-first LLM serving engine.
 
-Public API: ``LLM`` (offline batch jobs), ``SamplingParams``, ``EngineConfig``.
+Public API: ``LLM`` (offline batch jobs), ``SamplingParams`` (with
+``StructuredOutputsParams``), ``EngineConfig``.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from triptych.config import EngineConfig
     from triptych.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["EngineConfig", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,9 @@ from triptych.api.request_checks import (
 from triptych.api.sampling_checks import context_error
 from triptych.api.serving import Admission, Job, Slots
 from triptych.api.tenancy import cache_scope
+from triptych.api.structured import check_structured
 from triptych.api.truncation import keep_count, truncate
+from triptych.engine.grammar_compiler import GrammarCompiler
 
 
 def _text(content: Any) -> str:
@@ -50,6 +52,8 @@ class InputStage:
         self.processor, self.limits, self.admission = processor, limits, admission
         self.fetcher, self.alive = fetcher, alive
         self.num_mm_items = 0  # images/videos processed (the processor cache's queries)
+        tok = processor.tokenizer  # structured output: P0's compile check (api/structured.py)
+        self.grammars = GrammarCompiler(tok, limits.vocab_size, tok.eos_token_id)
 
     def _admit(self, k: int) -> Slots:
         if not self.alive():
@@ -90,6 +94,7 @@ class InputStage:
         scopes the request's uuids and prefix cache (api/tenancy.py)."""
         check_chat(body, self.limits)
         scope = cache_scope(tenant, body.cache_salt)
+        await check_structured(body, self.grammars)
         messages = body.message_dicts()
         media = media_limits(body, self.limits.media)
         media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
@@ -123,6 +128,7 @@ class InputStage:
         """As ``chat``."""
         check_completion(body, self.limits)
         scope = cache_scope(tenant, body.cache_salt)
+        await check_structured(body, self.grammars)
         prompts = body.prompts()
         view = self.processor.for_request(None, body.truncate_prompt_tokens is None, scope)
         decode = self.processor.tokenizer.decode

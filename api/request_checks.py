@@ -4,7 +4,7 @@ request body to the engine's SamplingParams.
 
 Each refusal is a 400 naming the field (``param``) and the problem. Features the engine does
 not have are refused by name rather than silently ignored: a vLLM client that sends
-``use_beam_search`` or ``response_format`` learns that it did not get them.
+``use_beam_search`` or ``logits_processors`` learns that it did not get them.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from triptych.api.errors import APIError, bad_request
 from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
+from triptych.api.structured import structured_outputs
 from triptych.engine.sampling_params import SamplingParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
@@ -55,13 +56,6 @@ def _is_set(v: Any) -> bool:
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (bool, ("beam search is not supported (n > 1 returns independent "
                               "samples, not beams)")),
-    "response_format": (lambda v: _is_set(v) and v.get("type") != "text",
-                        "response_format other than text (structured output) is not supported"),
-    "structured_outputs": (_is_set, "structured outputs are not supported"),
-    "guided_json": (_is_set, "guided decoding is not supported"),
-    "guided_regex": (_is_set, "guided decoding is not supported"),
-    "guided_choice": (_is_set, "guided decoding is not supported"),
-    "guided_grammar": (_is_set, "guided decoding is not supported"),
     "logits_processors": (_is_set, "custom logits processors are not supported"),
     "allowed_token_ids": (_is_set, "allowed_token_ids is not supported yet"),
     "bad_words": (_is_set, "bad_words is not supported yet"),
@@ -266,7 +260,8 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None
             else body.repetition_penalty,
-            min_p=body.min_p or 0.0, **ngram_guard(body))
+            min_p=body.min_p or 0.0, **ngram_guard(body),
+            structured_outputs=structured_outputs(body))
     except ValueError as e:  # SamplingParams.verify: the same ranges, checked again
         raise APIError(400, str(e)) from None
 

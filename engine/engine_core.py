@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
+from triptych.engine.grammar_compiler import GrammarCompiler
 from triptych.engine.kv_cache_manager import KVCacheManager
 from triptych.engine.loaded_model import LoadedModel
 from triptych.engine.model_runner import ModelRunner, RunnerBroken
@@ -90,6 +91,11 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_failed_steps = 0  # steps whose batch had to be bisected
         self.timings = RequestTimings()
+        # Structured output: grammars compile on the compiler's threads, not in a step; the
+        # batch's matchers take them from its cache (the tokenizer loads on first use).
+        self.grammars = GrammarCompiler(None, self.shape.vocab_size, eos_token_id,
+                                        load=lambda: _load_tokenizer(config))
+        self.runner.batch.grammars.compile = self.grammars.compile
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d%s", config.model, self.device, self.dtype,
                     self.attention_backend, self.num_blocks, config.block_size,
@@ -98,6 +104,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do for a single-process engine)."""
+        self.grammars.close()
         self.loaded.close()
 
     # -- requests ---------------------------------------------------------------------------
@@ -107,6 +114,8 @@ class EngineCore:
         """Validate a request fully before it joins a batch; return its M-RoPE positions and
         delta. Raises ValueError naming the problem (the request is refused, nothing else)."""
         params.verify()
+        if params.structured_outputs is not None:  # start compiling (cached): the caller
+            self.grammars.submit(params.structured_outputs)  # waits before it admits
         validate_request(prompt_token_ids, mm_items, self.shape, self.max_model_len,
                          self.shape.vocab_size)
         outs = output_token_ids or []
@@ -149,6 +158,8 @@ class EngineCore:
         mm_items = mm_items or []
         positions, delta = self.check_request(prompt_token_ids, params, mm_items,
                                               output_token_ids)
+        if params.structured_outputs is not None:  # (a worker waited for it: a cache hit)
+            self.grammars.compile(params.structured_outputs)  # ValueError: refused
         req = Request(request_id, list(prompt_token_ids), params, mm_items,
                       eos_token_id=self.eos_token_id, mrope_positions=positions,
                       mrope_delta=delta, hand_off_after_prefill=hand_off_after_prefill)
@@ -267,3 +278,9 @@ class EngineCore:
             **self.timings.stats(),
         }
 
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    """The checkpoint's tokenizer (structured output builds its token table from it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from triptych.engine.grammar import GrammarState
 from triptych.engine.penalties import PenaltyState
 from triptych.engine.request import Request
 
@@ -78,6 +79,7 @@ class InputBatch:
         self.num_reqs = 0  # rows in use, holes included, until condense()
         self._holes: list[int] = []
         self.penalties = PenaltyState()  # token counts of requests with penalties
+        self.grammars = GrammarState()  # matchers of structured-output requests
 
     def __len__(self) -> int:
         return len(self.index)
@@ -89,6 +91,8 @@ class InputBatch:
     def add(self, req: Request, block_ids: list[int]) -> int:
         """Write a request's row (new, resumed after preemption, or imported with KV)."""
         assert req.request_id not in self.index, f"{req.request_id} is already in the batch"
+        # A fresh matcher with the output so far replayed (first: it may refuse the request)
+        self.grammars.add(req)
         if self._holes:
             row = min(self._holes)
             self._holes.remove(row)
@@ -120,6 +124,7 @@ class InputBatch:
         if row is None:
             return None
         self.penalties.remove(request_id)
+        self.grammars.remove(request_id)
         self.reqs[row] = None
         self._holes.append(row)
         return row
@@ -175,6 +180,8 @@ class InputBatch:
         self.num_tokens[row] = n + 1
         if self.penalties:
             self.penalties.append(self.reqs[row].request_id, token_id)
+        if self.grammars:
+            self.grammars.accept(self.reqs[row].request_id, token_id)
 
     def _ensure_rows(self, rows: int) -> None:
         if rows <= len(self.reqs):

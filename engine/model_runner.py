@@ -181,7 +181,10 @@ class ModelRunner:
             rows = inp.sample_rows.tolist()
             reqs = [self.batch.reqs[r] for r in rows]
             rids = [r.request_id for r in reqs]
-            res: SamplerOutput = self.sampler(logits.cpu(), rids,
+            logits = logits.cpu()
+            if self.batch.grammars:  # structured output: one batched mask (engine/grammar.py)
+                logits = self.batch.grammars.mask(logits.float(), rids)
+            res: SamplerOutput = self.sampler(logits, rids,
                                               [r.sampling_params for r in reqs],
                                               self.batch.penalties)
             for row, tok in zip(rows, res.token_ids):

@@ -5,6 +5,7 @@ import math
 from typing import Any
 
 import msgspec
+from triptych.engine.structured_params import StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 
@@ -45,6 +46,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # with API keys): salts the first block's hash, so only requests with the same value
     # share cached KV. The server sets it; None = the shared cache.
     cache_salt: str | None = None
+    # Structured output (engine/grammar.py): the output must match this schema / regex /
+    # choice / grammar; None = unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

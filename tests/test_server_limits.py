@@ -103,8 +103,9 @@ CASES = {
                                       "presence_penalty", "less than or equal to 2"),
     "unknown vllm_xargs key": ({"messages": HI, "vllm_xargs": {"foo": 1}}, 400, "vllm_xargs",
                                "not supported"),
-    "structured output": ({"messages": HI, "response_format": {"type": "json_object"}}, 400,
-                          "response_format", "not supported"),
+    "json_schema without a schema": ({"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format",
+        "json_schema.schema"),
     "tools": ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
               400, "tools", "not supported"),
     "chat template in the request": ({"messages": HI, "chat_template": "{{ 7 * 7 }}"}, 400,

@@ -29,6 +29,7 @@ from triptych.parallel.loader import load_engine_core
 from triptych.worker import wire
 from triptych.worker.data_endpoint import data_endpoint, endpoint_kind, key_name
 from triptych.worker.embedding_inbox import EmbeddingInbox
+from triptych.worker.grammar_wait import GrammarWait
 from triptych.worker.loop import Handler, WorkerSpec
 
 logger = logging.getLogger("triptych.worker")
@@ -59,6 +60,7 @@ class ModelWorker(Handler):
         self._pending: list[msgspec.Struct] = []  # replies of callbacks (admit) to send
         self.last_outputs: list[EngineCoreOutput] = []  # the last step's outputs
         self.num_handed_back = 0
+        self.grammar_wait = GrammarWait()  # structured-output requests while they compile
 
     def hello(self, spec: WorkerSpec) -> wire.Hello:
         return wire.Hello(spec.worker_id, spec.pool, os.getpid(), self.core.max_model_len,
@@ -82,7 +84,13 @@ class ModelWorker(Handler):
         try:
             if isinstance(msg, wire.AddRequest):
                 items = self.pixels.items_of(msg, frames)
-                return [items] if isinstance(items, wire.RequestError) else self._add(msg, items)
+                if isinstance(items, wire.RequestError):
+                    return [items]
+                spec = msg.params.structured_outputs
+                if spec is not None and self.grammar_wait.park(
+                        msg.request_id, self.core.grammars.submit(spec), msg, items):
+                    return []  # admitted by housekeeping once its grammar compiled
+                return self._add(msg, items)
             return self.handle_other(msg, frames)
         except (ValueError, TypeError) as e:  # refused input: the message names it
             return [wire.RequestError(msg.request_id, str(e))]
@@ -95,6 +103,7 @@ class ModelWorker(Handler):
         """Forget a request wherever it is (waiting for embeddings, in the core)."""
         if self.inbox is not None:
             self.inbox.cancel(request_id)
+        self.grammar_wait.cancel(request_id)
         self.core.abort([request_id])
 
     def admit(self, msg: wire.AddRequest, items: list[MMItem]) -> None:
@@ -162,10 +171,18 @@ class ModelWorker(Handler):
         return []
 
     def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        out: list[msgspec.Struct] = []
+        for msg, items, err in self.grammar_wait.ready():
+            try:
+                if err is not None:
+                    raise ValueError(err)
+                out += self._add(msg, items)
+            except (ValueError, TypeError) as e:
+                out.append(wire.RequestError(msg.request_id, str(e)))
         if self.inbox is None:
-            return []
-        return [wire.RequestError(rid, "image embeddings did not arrive in time",
-                                  retryable=True) for rid in self.inbox.expire(now)]
+            return out
+        return out + [wire.RequestError(rid, "image embeddings did not arrive in time",
+                                        retryable=True) for rid in self.inbox.expire(now)]
 
     # -- the loop -----------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -1,0 +1,104 @@
+"""Structured output in a request body: every spelling clients send, to one
+``StructuredOutputsParams``, and its compile check before any work is done.
+
+    response_format     {"type": "json_object"}                       -> json_object
+                        {"type": "json_schema", "json_schema": {"schema": ..., "strict"}}
+                                                                      -> json
+                        {"type": "structural_tag", "structures", "triggers"}
+                                                                      -> structural_tag
+    structured_outputs  {"json" | "regex" | "choice" | "grammar" | "json_object" |
+                         "structural_tag", "disable_any_whitespace", ...}   (vLLM)
+    guided_json / guided_regex / guided_choice / guided_grammar       (vLLM, older)
+
+At most one of these per request; a refusal is a 400 naming the field and the reason (an
+invalid schema, regex or grammar as the compiler words it, or a compile over the bound).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import msgspec
+from triptych.api.errors import bad_request
+from triptych.engine.grammar_compiler import GrammarCompiler
+from triptych.engine.structured_params import StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _set(v: Any) -> bool:
+    return v is not None and v != [] and v != {} and v != ""
+
+
+def _from_response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise bad_request("response_format", "response_format json_schema needs "
+                                                 "json_schema.schema (a JSON schema object)")
+        # NOTE: strict or not, the schema is enforced (the grammar allows nothing else).
+        return {"json": js["schema"]}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps({k: v for k, v in rf.items() if k != "type"})}
+    raise bad_request("response_format", f"response_format type {kind!r} is not one of "
+                                         "text, json_object, json_schema, structural_tag")
+
+
+def structured_outputs(body: Any) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None. Raises APIError (400) on a bad one."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    rf = getattr(body, "response_format", None)
+    if _set(rf):
+        d = _from_response_format(rf)
+        if d is not None:
+            given.append(("response_format", d))
+    so = getattr(body, "structured_outputs", None)
+    if _set(so):
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs", "structured_outputs must be an object")
+        given.append(("structured_outputs", so))
+    for name, kind in _GUIDED.items():
+        v = getattr(body, name, None)
+        if _set(v):
+            given.append((name, {kind: v}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(given[1][0], "give one output constraint; this request has "
+                                       f"{', '.join(n for n, _ in given)}")
+    param, fields = given[0]
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise bad_request(param, f"{param}: {e}") from None
+
+
+async def check_structured(body: Any, compiler: GrammarCompiler
+                           ) -> StructuredOutputsParams | None:
+    """Parse and compile the request's constraint (off the event loop, time-bounded): a bad
+    schema / regex / grammar is refused here, before media is fetched or text tokenized."""
+    spec = structured_outputs(body)
+    if spec is None:
+        return None
+    try:
+        await anyio.to_thread.run_sync(lambda: compiler.compile(spec))
+    except ValueError as e:
+        raise bad_request(_param(body), str(e)) from None
+    return spec
+
+
+def _param(body: Any) -> str:
+    for name in ("response_format", "structured_outputs", *_GUIDED):
+        if _set(getattr(body, name, None)):
+            return name
+    return "structured_outputs"
+
+
+__all__ = ["check_structured", "structured_outputs"]

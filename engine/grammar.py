@@ -1,0 +1,102 @@
+"""GrammarState: the matchers of the batch's structured-output requests, and the step's mask.
+
+Kept beside the penalty state on the persistent batch and keyed by request id, it follows
+the same events: a request that joins (new, resumed after preemption, imported with its
+first token from a prefill worker, migrated here with streamed tokens) gets a fresh matcher
+into which its output tokens so far are replayed; each sampled token advances it; leaving
+drops it. A step with no grammar row costs nothing (no bitmask, no call):
+
+    logits [S, vocab] --(rows with a matcher: one batched fill)--> bitmask [S, words]
+                      --apply_token_bitmask_inplace(indices=those rows)--> masked in place
+
+Once a grammar is complete its matcher allows only the stop token (EOS), so the request
+ends with finish_reason "stop"; ``max_tokens`` still cuts it short ("length").
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triptych.engine.request import Request
+from triptych.engine.structured_params import StructuredOutputsParams
+
+logger = logging.getLogger("triptych.grammar")
+
+
+class GrammarState:
+    """Request id -> xgrammar.GrammarMatcher for the batch's grammar rows."""
+
+    def __init__(self) -> None:
+        self.compile: Callable[[StructuredOutputsParams], Any] | None = None  # set by the
+        # engine core (its GrammarCompiler): the batch itself knows no tokenizer
+        self._matchers: dict[str, Any] = {}
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
+        self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self.num_masked_steps = 0
+        self.mask_seconds = 0.0  # time in fill + apply (bench/grammar.py reads it)
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def add(self, req: Request) -> None:
+        """A request (re)joins: a fresh matcher, its output tokens replayed. Raises
+        ValueError when a replayed token breaks the grammar (it cannot be resumed)."""
+        spec = req.sampling_params.structured_outputs
+        if spec is None:
+            return
+        import xgrammar as xgr
+
+        assert self.compile is not None, "the engine core binds a compiler"
+        matcher = xgr.GrammarMatcher(self.compile(spec))
+        for tok in req.output_token_ids:
+            if matcher.is_terminated():
+                break  # (EOS ignored under min_tokens / ignore_eos: unconstrained from here)
+            if not matcher.accept_token(tok):
+                raise ValueError(f"request {req.request_id}: its output so far does not "
+                                 f"follow its {spec.kind} constraint")
+        self._matchers[req.request_id] = matcher
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        """The request sampled ``token_id``: advance its matcher."""
+        m = self._matchers.get(request_id)
+        if m is None or m.is_terminated():
+            return
+        if not m.accept_token(token_id):
+            # Only reachable when a token was forced past the mask (min_tokens over EOS):
+            # the constraint is dropped rather than the request failed.
+            logger.warning("request %s: token %d breaks its grammar; unconstrained from here",
+                           request_id, token_id)
+            del self._matchers[request_id]
+
+    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
+        """Mask the logits of the grammar rows in place (one batched call) and return them."""
+        # logits: [S, vocab] float32 on the host; request_ids: row -> request id
+        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids)
+                if r in self._matchers and not self._matchers[r].is_terminated()]
+        if not rows:
+            return logits
+        import xgrammar as xgr
+
+        t0 = time.perf_counter()
+        n, vocab = logits.shape
+        if self._bitmask is None or self._bitmask.shape[0] < n or \
+                self._bitmask.shape[1] != (vocab + 31) // 32:
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 8), vocab)
+        bitmask = self._bitmask[:n]
+        idx = [i for i, _ in rows]
+        if self._filler is None:  # fills the rows on the worker's torch threads
+            self._filler = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
+        self._filler.batch_fill_next_token_bitmask([m for _, m in rows], bitmask, idx)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=idx)
+        self.num_masked_steps += 1
+        self.mask_seconds += time.perf_counter() - t0
+        return logits
