@@ -1,11 +1,13 @@
 """triptych: a multimodal-first LLM serving engine.
 
-Public API: ``LLM`` (offline batch jobs), ``SamplingParams``, ``EngineConfig``.
+Public API: ``LLM`` (offline batch jobs), ``SamplingParams``, ``BeamSearchParams``,
+``EngineConfig``.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from triptych.engine.beam_search import BeamSearchParams
 from triptych.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
     from triptych.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
