@@ -133,7 +133,9 @@ class LLM:
                      for i, p in enumerate(prompts)]
         searches = [BeamSearch(params, self.tokenizer.eos_token_id,
                                beam_max_tokens(params, len(pp.prompt_token_ids),
-                                               self.max_model_len)) for pp in processed]
+                                               self.max_model_len),
+                               (self.processor.image_token_id, self.processor.video_token_id))
+                    for pp in processed]
         while True:
             todo = [(s, beam_prompt(pp, toks)) for s, pp in zip(searches, processed)
                     for toks in s.pending()]

@@ -4,7 +4,7 @@ request body to the engine's SamplingParams.
 
 Each refusal is a 400 naming the field (``param``) and the problem. Features the engine does
 not have are refused by name rather than silently ignored: a vLLM client that sends
-``use_beam_search`` or ``response_format`` learns that it did not get them.
+``response_format`` learns that it did not get them.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from triptych.api.errors import APIError, bad_request
 from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
+from triptych.engine.beam_search import MAX_BEAM_WIDTH
 from triptych.engine.sampling_params import SamplingParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
@@ -53,8 +54,6 @@ def _is_set(v: Any) -> bool:
 
 # field -> (is it asking for something we do not do?, why it is refused)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "use_beam_search": (bool, ("beam search is not supported (n > 1 returns independent "
-                              "samples, not beams)")),
     "response_format": (lambda v: _is_set(v) and v.get("type") != "text",
                         "response_format other than text (structured output) is not supported"),
     "structured_outputs": (_is_set, "structured outputs are not supported"),
@@ -97,6 +96,9 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
         raise bad_request("stream_options", "stream_options can only be given with stream=true")
     if not math.isfinite(body.length_penalty):
         raise bad_request("length_penalty", "length_penalty must be a finite number")
+    if body.use_beam_search and body.n > MAX_BEAM_WIDTH:
+        raise bad_request("n", f"n is the beam width with use_beam_search: at most "
+                               f"{MAX_BEAM_WIDTH}")
     name, max_tokens = body.requested_max_tokens
     if max_tokens is not None and body.min_tokens > max_tokens:
         raise bad_request("min_tokens", f"min_tokens ({body.min_tokens}) is larger than "

@@ -24,7 +24,8 @@ from typing import Any
 
 from triptych.engine.sampling_params import SamplingParams
 
-MAX_BEAM_WIDTH = 10  # a step asks for 2k logprobs; the engine returns at most 20
+MAX_BEAM_WIDTH = 10  # a step asks for 2k logprobs (the engine returns at most 20; k + 1
+# per beam are enough to pick k running beams past one EOS)
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,12 @@ class BeamSearch:
     top-2k logprobs of each pending beam's next token; ``result()`` once ``done``."""
 
     def __init__(self, params: BeamSearchParams, eos_token_id: int | None,
-                 max_tokens: int) -> None:
+                 max_tokens: int, banned: tuple[int | None, ...] = ()) -> None:
+        """``banned``: token ids never chosen (a model's image/video placeholders: a beam
+        continues as a prompt, where they would stand for media it does not have)."""
         params.verify()
         self.p, self.k = params, params.beam_width
+        self.banned = {t for t in banned if t is not None}
         self.eos = None if params.ignore_eos else eos_token_id
         self.max_tokens = max_tokens  # already capped by the caller to fit max_model_len
         self.running: list[BeamSequence] = [BeamSequence()]
@@ -83,8 +87,9 @@ class BeamSearch:
 
     def step_params(self) -> SamplingParams:
         """One step of one beam: the next token's logprobs (the token itself is unused)."""
+        # NOTE: 2 more than HF's 2k candidates: banned ids may take their places.
         return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=2 * self.k)
+                              logprobs=min(2 * self.k + len(self.banned), 20))
 
     def pending(self) -> list[list[int]]:
         """The output tokens of each running beam (append them to the prompt)."""
@@ -96,7 +101,8 @@ class BeamSearch:
     def advance(self, step_logprobs: list[dict[int, float]]) -> None:
         assert len(step_logprobs) == len(self.running) and not self.done
         cands = [(b.cum_logprob + lp, i, tok) for i, (b, lps) in
-                 enumerate(zip(self.running, step_logprobs)) for tok, lp in lps.items()]
+                 enumerate(zip(self.running, step_logprobs)) for tok, lp in lps.items()
+                 if tok not in self.banned]
         # NOTE: HF breaks ties by flat index (beam, token): stable sort on that order.
         cands.sort(key=lambda c: (c[1], c[2]))
         cands.sort(key=lambda c: -c[0])
