@@ -87,3 +87,21 @@ def test_timed_out_clients_free_the_engine(server):
     assert server.metric("triptych:num_requests_waiting") == 0
     r = server.openai_client().completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_beam_search_runs_colocated_and_is_refused_in_p_d(server, request):
+    """(Shares this module's two servers.) Beam search runs where a colocated engine
+    decodes; a prefill pool (P+D) answers a 400 naming use_beam_search."""
+    import openai
+
+    client = server.openai_client()
+    body = {"use_beam_search": True, "ignore_eos": True}
+    if "colocated" in request.node.callspec.id:
+        r = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=3,
+                                      extra_body=body)
+        assert len(r.choices) == 2 and r.choices[0].text != r.choices[1].text
+        return
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=3,
+                                  extra_body=body)
+    assert "P+D" in str(e.value) and e.value.body["param"] == "use_beam_search"
