@@ -1,12 +1,13 @@
 """triptych: a multimodal-first LLM serving engine.
 
 Public API: ``LLM`` (offline batch jobs), ``SamplingParams`` (with
-``StructuredOutputsParams``), ``EngineConfig``.
+``StructuredOutputsParams``), ``BeamSearchParams``, ``EngineConfig``.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from triptych.engine.beam_search import BeamSearchParams
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.structured_params import StructuredOutputsParams
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
     from triptych.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["EngineConfig", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["BeamSearchParams", "EngineConfig", "LLM", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,14 @@ from tqdm.auto import tqdm
 from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.llm_engine import LLMEngine
+from triptych.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_max_tokens,
+    beam_output,
+    beam_prompt,
+)
 from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams
 
@@ -53,6 +61,7 @@ class LLM:
             max_len = resolve_max_model_len(
                 self.config, getattr(hf, "text_config", hf).max_position_embeddings)
         self.tokenizer = tokenizer
+        self.max_model_len = max_len
         cache_bytes = processor_cache_bytes(self.config.mm_processor_cache_gb)
         self.processor = InputProcessor(
             model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
@@ -107,6 +116,41 @@ class LLM:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)) for i, c in enumerate(convs)]
         return self._run(processed, sampling_params, use_tqdm, abort_if)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``beam_width`` best continuations of each prompt
+        (text, token ids or ``{"prompt", "multi_modal_data"}``), best first. Each step runs
+        every live beam of every prompt as one batch of one-token requests; the prefix cache
+        shares the prompts' KV (engine/beam_search.py)."""
+        if self.layout.has_prefill_pool:
+            raise ValueError("beam search runs in colocated layouts only (not P+D)")
+        if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
+                prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        processed = [p if isinstance(p, ProcessedPrompt) else
+                     self._process(i, lambda p=p: self.processor.process_prompt(p))
+                     for i, p in enumerate(prompts)]
+        searches = [BeamSearch(params, self.tokenizer.eos_token_id,
+                               beam_max_tokens(params, len(pp.prompt_token_ids),
+                                               self.max_model_len),
+                               (self.processor.image_token_id, self.processor.video_token_id))
+                    for pp in processed]
+        while True:
+            todo = [(s, beam_prompt(pp, toks)) for s, pp in zip(searches, processed)
+                    for toks in s.pending()]
+            if not todo:
+                break
+            outs = self._run([p for _, p in todo], [s.step_params() for s, _ in todo], use_tqdm)
+            step: dict[int, list[dict[int, float]]] = {}
+            for (s, _), out in zip(todo, outs):
+                lps = out.outputs[0].logprobs[0]
+                step.setdefault(id(s), []).append({t: lp.logprob for t, lp in lps.items()})
+            for s in searches:
+                if not s.done:
+                    s.advance(step[id(s)])
+        return [beam_output(s, pp.prompt_token_ids, self.tokenizer) for s, pp in
+                zip(searches, processed)]
 
     @staticmethod
     def _process(index: int, fn: Any) -> Any:

@@ -125,7 +125,8 @@ class _Common(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # n is the beam width (api/beam_client.py)
+    early_stopping: bool | Literal["never"] = False  # beam search only (HF's meaning)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # top-k per prompt token
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64)
     truncation_side: Literal["left", "right"] | None = None

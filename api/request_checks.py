@@ -4,7 +4,7 @@ request body to the engine's SamplingParams.
 
 Each refusal is a 400 naming the field (``param``) and the problem. Features the engine does
 not have are refused by name rather than silently ignored: a vLLM client that sends
-``use_beam_search`` or ``logits_processors`` learns that it did not get them.
+``logits_processors`` learns that it did not get them.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
 from triptych.api.structured import structured_outputs
+from triptych.engine.beam_search import MAX_BEAM_WIDTH
 from triptych.engine.sampling_params import SamplingParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
@@ -54,8 +55,6 @@ def _is_set(v: Any) -> bool:
 
 # field -> (is it asking for something we do not do?, why it is refused)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "use_beam_search": (bool, ("beam search is not supported (n > 1 returns independent "
-                              "samples, not beams)")),
     "logits_processors": (_is_set, "custom logits processors are not supported"),
     "allowed_token_ids": (_is_set, "allowed_token_ids is not supported yet"),
     "bad_words": (_is_set, "bad_words is not supported yet"),
@@ -90,6 +89,9 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
         raise bad_request("stream_options", "stream_options can only be given with stream=true")
     if not math.isfinite(body.length_penalty):
         raise bad_request("length_penalty", "length_penalty must be a finite number")
+    if body.use_beam_search and body.n > MAX_BEAM_WIDTH:
+        raise bad_request("n", f"n is the beam width with use_beam_search: at most "
+                               f"{MAX_BEAM_WIDTH}")
     name, max_tokens = body.requested_max_tokens
     if max_tokens is not None and body.min_tokens > max_tokens:
         raise bad_request("min_tokens", f"min_tokens ({body.min_tokens}) is larger than "

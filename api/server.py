@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from triptych import __version__
+from triptych.api.beam_client import BeamClient
 from triptych.api.errors import APIError
 from triptych.api.media.prefetch import MediaFetcher
 from triptych.api.metrics import Metrics
@@ -180,7 +181,17 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
                       bool(body.return_tokens_as_token_ids), bool(body.return_token_ids),
                       config.block_size, config.enable_prefix_caching,
                       body.prompt_logprobs is not None)
-        gen = Generation(client, rid, jobs, slots)
+        engine = client
+        if body.use_beam_search:
+            layout = getattr(client, "layout", None)
+            if layout is not None and layout.has_prefill_pool:
+                slots.release_all()
+                raise APIError(400, "beam search is not supported with a prefill pool (P+D "
+                               "layouts); use a colocated layout", param="use_beam_search")
+            engine = BeamClient(client, processor, config.limits.max_model_len,
+                                length_penalty=body.length_penalty,
+                                early_stopping=body.early_stopping)
+        gen = Generation(engine, rid, jobs, slots)
         await gen.start()
         responder = Responder(gen, Formatter(processor.tokenizer, shape, rid, int(time.time())),
                               metrics, raw, body.n)

@@ -200,6 +200,7 @@ class EngineCore:
             sched, sampled, logprobs, failed = self._isolate(sched)
         produced = self.scheduler.update_from_output(sched, sampled)
         self.generation_tokens_total += len(produced)
+        self.timings.on_step_outputs(produced)
         outs = [self._output(req, logprobs.get(req.request_id)) for req in produced]
         for req in failed:
             logger.error("request %s failed alone and is ended with an error", req.request_id)

@@ -21,7 +21,7 @@ TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0
 
 class RequestTimings:
     def __init__(self) -> None:
-        self.iteration_tokens = Histogram(TOKEN_BUCKETS)  # tokens computed per step
+        self.iteration_tokens = Histogram(TOKEN_BUCKETS)  # per step: vLLM's count (below)
         self.queue = Histogram()
         self.prefill = Histogram()
         self.decode = Histogram()
@@ -30,11 +30,20 @@ class RequestTimings:
 
     def on_step(self, sched: Any) -> None:
         now = time.monotonic()
-        self.iteration_tokens.observe(sched.num_scheduled_tokens)
         for req, _ in sched.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self.queue.observe(now - req.arrival_time)
+
+    def on_step_outputs(self, produced: list[Request]) -> None:
+        """Once per step, as vLLM counts ``iteration_tokens_total``: the tokens generated
+        this step plus the whole prompt (cached part included) of each request whose
+        first token came out here. A step that only ran prefill chunks is not counted; a
+        request that arrived with tokens (KV import, migration) counts no prompt."""
+        n = sum(1 + (r.num_prompt_tokens if r.num_output_tokens == 1 else 0)
+                for r in produced)
+        if n:
+            self.iteration_tokens.observe(n)
 
     def on_token(self, req: Request) -> None:
         """After a request produced a token (finished or not)."""

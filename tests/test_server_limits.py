@@ -95,8 +95,6 @@ CASES = {
     "best_of above the server's cap": ({"messages": HI, "best_of": 50}, 400, "best_of",
                                        "--max-n"),
     "best_of other than n": ({"messages": HI, "best_of": 2}, 400, "best_of", "not supported"),
-    "beam search": ({"messages": HI, "use_beam_search": True}, 400, "use_beam_search",
-                    "beam search is not supported"),
     "prompt_logprobs out of range": ({"messages": HI, "prompt_logprobs": 21}, 400,
                                      "prompt_logprobs", "20"),
     "presence_penalty out of range": ({"messages": HI, "presence_penalty": 2.5}, 400,
