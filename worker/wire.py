@@ -118,6 +118,8 @@ class Hello(msgspec.Struct, tag="hello"):
     data_address: str = ""  # its connector endpoint (pools), where peers send data
     encoder_cache_bytes: int = 0  # embedding bytes it can keep (router's encode routing)
     rank_addresses: list[str] = []  # a tensor-parallel group's data addresses, rank by rank
+    model_fingerprint: str = ""  # config + weights digest (worker/fingerprint.py): a worker
+    # on another host with another checkpoint is refused before it joins a pool
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -133,7 +135,19 @@ class RequestError(msgspec.Struct, tag="error"):
 
 
 class WorkerStats(msgspec.Struct, tag="stats"):
-    values: dict[str, float]  # EngineCore.stats() gauges and counters (also a heartbeat)
+    values: dict[str, float]  # EngineCore.stats() gauges and counters
+
+
+HEARTBEAT_SUFFIX = "~hb"  # a worker's heartbeat socket: its identity plus this
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every HEARTBEAT_INTERVAL_S by a thread of its own on a socket of its own
+    (identity + HEARTBEAT_SUFFIX): it stops only when the whole process stops (frozen,
+    SIGSTOP, dead), never because the loop is inside a long step."""
+
+    busy_s: float = 0.0  # seconds the loop has been inside the current step (0: idle);
+    # /health shows it (a step that never ends is visible, not killed: see liveness notes)
 
 
 class KVReserved(msgspec.Struct, tag="reserved"):
@@ -161,7 +175,7 @@ class HandBack(msgspec.Struct, tag="handback"):
 
 
 FromWorker = (Hello | StepOutputs | RequestError | WorkerStats | KVReserved | EncodeDone
-              | NeedEmbeddings | HandBack)
+              | NeedEmbeddings | HandBack | Heartbeat)
 
 
 # -- worker -> worker (data plane, through a connector) -----------------------------------------
