@@ -1,6 +1,9 @@
 """Shared-memory segments for the shm transport: plain files in /dev/shm (tmpfs).
 
-    <prefix><owner pid>-<endpoint id>-<seq>      e.g. triptych-4242-9f3a01bc-17
+    <prefix><owner pid>-<endpoint id>-<token>    e.g. triptych-4242-9f3a01bc-5be0...(16 hex)
+
+The token is random per segment (secrets): another local user cannot guess the next name
+and pre-create it to make transfers fail.
 
 The sender writes a message's tensors once with pwrite (a full /dev/shm is a clean
 ENOSPC, never a SIGBUS) into a fresh owner-only (0600) file. The receiver opens it,
@@ -47,7 +50,7 @@ def check_prefix(prefix: str) -> str:
 
 
 def name_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}(\d{{1,10}})-([0-9a-f]{{8}})-(\d{{1,12}})$")
+    return re.compile(rf"^{re.escape(prefix)}(\d{{1,10}})-([0-9a-f]{{8}})-([0-9a-f]{{16}})$")
 
 
 def layout(specs_nbytes: list[int]) -> tuple[list[int], int]:

@@ -181,7 +181,7 @@ def test_forged_shm_handles(prefix):
         ok = [TensorSpec("float32", [4], 16)]
 
         def real_segment(size: int = 64) -> str:
-            name = f"{prefix}{os.getpid()}-0123abcd-{secrets.randbelow(10**6)}"
+            name = f"{prefix}{os.getpid()}-0123abcd-{secrets.token_hex(8)}"
             seg.write_segment(f"/dev/shm/{name}", [], [], size)
             return name
 
@@ -205,7 +205,7 @@ def test_forged_shm_handles(prefix):
         raw.send(_env(Embeddings("m"), ok))  # tensors announced, no segment
         with pytest.raises(BadMessage, match="bad shared-memory segment name"):
             rx.recv(5000)
-        raw.send(_env(Embeddings("g"), ok, segment=f"{prefix}{os.getpid()}-0123abcd-999999999",
+        raw.send(_env(Embeddings("g"), ok, segment=f"{prefix}{os.getpid()}-0123abcd-00000000deadbeef",
                       segment_size=64))
         with pytest.raises(BadMessage, match="gone"):
             rx.recv(5000)

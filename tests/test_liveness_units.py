@@ -225,3 +225,46 @@ def test_model_fingerprint_tells_checkpoints_apart(tmp_path):
     a, b, a2 = ckpt(tmp_path / "a", [4]), ckpt(tmp_path / "b", [6]), ckpt(tmp_path / "a2", [4])
     assert model_fingerprint(a) == model_fingerprint(a2) != model_fingerprint(b)
     assert model_fingerprint(str(tmp_path / "missing")) == ""
+
+
+def test_a_public_key_others_could_replace_is_not_trusted(tmp_path):
+    from triptych.connector import ConnectorError
+    from triptych.connector.auth import generate_keys, load_keys
+
+    d = str(tmp_path / "keys")
+    generate_keys(d, ["router", "decode-h2"])
+    assert "decode-h2" in load_keys(d, "router").peers
+    key = os.path.join(d, "public", "decode-h2.key")
+    os.chmod(key, 0o666)  # world-writable: anyone could swap in their own key
+    with pytest.raises(ConnectorError, match="writable by no one else"):
+        load_keys(d, "router")
+    os.chmod(key, 0o644)
+    os.chmod(os.path.join(d, "public"), 0o777)  # or the folder: a key could be added
+    with pytest.raises(ConnectorError, match="public key folder"):
+        load_keys(d, "router")
+    os.chmod(os.path.join(d, "public"), 0o755)
+    assert "decode-h2" in load_keys(d, "router").peers
+
+
+def test_segment_names_are_unguessable():
+    from triptych.connector import make_connector
+    from triptych.connector.segments import name_pattern
+
+    c = make_connector("shm", name="names", header_type=wire.DataMsg)
+    try:
+        _, a, _ = c._pack("", [torch_ones()])
+        _, b, _ = c._pack("", [torch_ones()])
+        for f in (a, b):
+            assert name_pattern(c.prefix).match(f["segment"])
+        tail = [f["segment"].rsplit("-", 1)[1] for f in (a, b)]
+        assert tail[0] != tail[1] and all(len(t) == 16 for t in tail)  # 64 random bits each
+    finally:
+        for f in (a, b):
+            c._pack_failed("", f)
+        c.close()
+
+
+def torch_ones():
+    import torch
+
+    return torch.ones(4)
