@@ -106,7 +106,7 @@ class Supervisor:
         while True:
             try:
                 self.check(time.monotonic())
-            except Exception as e:  # noqa: BLE001 (death detection must never stop)
+            except Exception as e:  # death detection must never stop: log, count, go on
                 self._note_error(f"supervisor round failed: {e!r}")
                 logger.exception("the supervisor's watch failed one round; it goes on")
             await asyncio.sleep(WATCH_INTERVAL_S)

@@ -18,7 +18,7 @@ from PIL import Image
 from triptych.worker import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, data_url, image_part, text_part, user  # noqa: E402
+from server_fixtures import ServerProc, data_url, image_part, text_part, user
 
 
 def test_a_tensor_over_the_frame_cap_travels_in_several_frames(monkeypatch):

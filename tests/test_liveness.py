@@ -13,7 +13,7 @@ import threading
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import ServerProc, alive, text_part, user, wait_for  # noqa: E402
+from server_fixtures import ServerProc, alive, text_part, user, wait_for
 
 N_TOKENS = 200
 

@@ -30,8 +30,8 @@ def test_supervisor_survives_a_failed_start_and_says_so(monkeypatch):
         if calls["n"] == 1:
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
         # a stand-in worker: reads its spec and waits (killed by the test)
-        return real_popen([sys.executable, "-c", "import sys, time; sys.stdin.read(); "
-                           "time.sleep(60)"], stdin=subprocess.PIPE)
+        code = "import sys, time; sys.stdin.read(); time.sleep(60)"
+        return real_popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
 
     monkeypatch.setattr(supervisor_mod.subprocess, "Popen", popen)
     monkeypatch.setattr(supervisor_mod, "BACKOFF_MIN_S", 0.01)

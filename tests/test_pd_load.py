@@ -16,8 +16,8 @@ import pytest
 from triptych import LLM, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kv_handoff import HandOff  # noqa: E402
-from server_fixtures import ServerProc, text_part, user  # noqa: E402
+from kv_handoff import HandOff
+from server_fixtures import ServerProc, text_part, user
 
 
 @pytest.fixture(scope="module")

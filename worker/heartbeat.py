@@ -69,7 +69,7 @@ class HeartbeatThread:
                 except zmq.Again:
                     pass  # the router is not reading; it will notice the silence itself
                 self._stop.wait(self._interval)
-        except Exception:  # noqa: BLE001 (a dead heartbeat is a dead worker to the router)
+        except Exception:
             logger.exception("the heartbeat thread failed")
         finally:
             sock.close(0)
