@@ -213,17 +213,21 @@ def test_model_fingerprint_tells_checkpoints_apart(tmp_path):
 
     from triptych.worker.fingerprint import model_fingerprint
 
-    def ckpt(d, shape):
+    def ckpt(d, values):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"hidden_size": 8}))
-        header = json.dumps({"w": {"dtype": "F32", "shape": shape,
-                                   "data_offsets": [0, 4 * shape[0]]}}).encode()
+        header = json.dumps({"w": {"dtype": "F32", "shape": [len(values)],
+                                   "data_offsets": [0, 4 * len(values)]}}).encode()
         (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header
-                                              + b"\0" * 4 * shape[0])
+                                              + struct.pack(f"<{len(values)}f", *values))
         return str(d)
 
-    a, b, a2 = ckpt(tmp_path / "a", [4]), ckpt(tmp_path / "b", [6]), ckpt(tmp_path / "a2", [4])
-    assert model_fingerprint(a) == model_fingerprint(a2) != model_fingerprint(b)
+    a = ckpt(tmp_path / "a", [1.0, 2.0, 3.0, 4.0])
+    a2 = ckpt(tmp_path / "a2", [1.0, 2.0, 3.0, 4.0])
+    shape = ckpt(tmp_path / "b", [1.0] * 6)  # another shape
+    weights = ckpt(tmp_path / "c", [1.0, 2.0, 3.0, 5.0])  # same shape, other weights
+    assert model_fingerprint(a) == model_fingerprint(a2)
+    assert len({model_fingerprint(p) for p in (a, shape, weights)}) == 3
     assert model_fingerprint(str(tmp_path / "missing")) == ""
 
 

@@ -1,13 +1,13 @@
 """model_fingerprint: which checkpoint a worker serves, cheap enough to compute at start.
 
     sha256( config.json bytes
-            + for each *.safetensors file, by name: name, size, its JSON header )
+            + for each *.safetensors file, by name: name, size, its JSON header,
+              and SAMPLES slices of SAMPLE_BYTES spread evenly over its tensor data )
 
-The header names every tensor with its dtype, shape and byte offsets, so two checkpoints
-of one architecture and size differ in it only through their metadata; the sizes and the
-config catch the rest of what a mix-up usually is (another model, another dtype, another
-fine-tune saved with other metadata). It does not read the weights: a checkpoint edited
-in place with byte-identical headers is beyond it (documented in the liveness notes).
+The header names every tensor with its dtype, shape and offsets; the sampled bytes tell
+apart two checkpoints of the same shape (another fine-tune, another seed: their weights
+differ everywhere, so any slice shows it) while reading ~1 MiB per file, not the weights.
+A checkpoint that differs only outside every sampled slice is beyond it (liveness notes).
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import os
 import struct
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors caps its header at 100 MB
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10
 
 
 def model_fingerprint(model_dir: str) -> str:
-    """Hex digest of ``model_dir``'s config and safetensors headers ("" if it has none)."""
+    """Hex digest of ``model_dir``'s config and weights ("" if it holds neither)."""
     h = hashlib.sha256()
     found = False
     names = sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else []
@@ -30,9 +31,15 @@ def model_fingerprint(model_dir: str) -> str:
                 h.update(b"config\0" + f.read())
             found = True
         elif name.endswith(".safetensors"):
+            size = os.path.getsize(path)
+            h.update(f"{name}\0{size}\0".encode())
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                header = f.read(min(n, MAX_HEADER_BYTES))
-            h.update(f"{name}\0{os.path.getsize(path)}\0".encode() + header)
+                h.update(f.read(min(n, MAX_HEADER_BYTES)))
+                start = 8 + n
+                span = max(0, size - start - SAMPLE_BYTES)
+                for i in range(SAMPLES):
+                    f.seek(start + span * i // max(SAMPLES - 1, 1))
+                    h.update(f.read(SAMPLE_BYTES))
             found = True
     return h.hexdigest() if found else ""
