@@ -169,11 +169,13 @@ class Router:
     def health(self) -> dict[str, Any]:
         """{"status": ok | degraded | unavailable, "layout", "pools": {pool: {"live",
         "workers": [{index, name, pid, state, restarts, remote, served, requests,
-        silent_s, busy_s, start_error}]}}, "stalled": [names], "supervisor": {state,
-        errors_total, last_error, failing_to_start}}: ``served`` counts the requests a
-        worker did its part of (encoded, prefilled or finished), ``requests`` the ones it
-        holds now, ``silent_s`` the seconds since its last heartbeat, ``busy_s`` how long
-        its current step has run. ``stalled``: workers taken for frozen (being killed)."""
+        silent_s, busy_s, start_error}]}}, "stalled": [names], "slow_steps": [names],
+        "supervisor": {state, errors_total, last_error, failing_to_start}}: ``served``
+        counts the requests a worker did its part of (encoded, prefilled or finished),
+        ``requests`` the ones it holds now, ``silent_s`` the seconds since its last
+        heartbeat, ``busy_s`` how long its current step has run. ``stalled``: workers
+        taken for frozen (being killed); ``slow_steps``: live workers inside one step for
+        longer than the heartbeat timeout (shown, not killed: a big image can take that)."""
         pools: dict[str, Any] = {}
         now = time.monotonic()
         for pool in self.layout.pools:
@@ -186,6 +188,8 @@ class Router:
                  "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None}
                 for w in ws]}
         stalled = [w.name for w in self.registry.workers if w.state == "stalled"]
+        slow = [w.name for w in self.registry.workers
+                if w.up and w.busy_s > self.config.worker_heartbeat_timeout]
         supervisor = self.supervisor.health() if self.supervisor else {"state": "ok"}
         if self._closed or any(p["live"] == 0 for p in pools.values()):
             status = "unavailable"
@@ -195,7 +199,7 @@ class Router:
         else:
             status = "ok"
         return {"status": status, "layout": str(self.layout), "pools": pools,
-                "stalled": stalled, "supervisor": supervisor}
+                "stalled": stalled, "slow_steps": slow, "supervisor": supervisor}
 
     def stats(self) -> dict[str, float]:
         """Every live worker's gauges and counters summed (KV usage averaged), each pool's
