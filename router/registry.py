@@ -95,10 +95,15 @@ class WorkerRegistry:
 
     async def watch_remote(self) -> None:
         """Take a silent remote worker for dead. Runs until cancelled."""
+        last = resumed = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last > 2.0:  # P0's loop was blocked: unread heartbeats are no silence
+                resumed = now
+            last = now
             for w in list(self.workers):
-                if w.remote and w.up and now - w.last_seen > self.heartbeat_timeout_s:
+                if w.remote and w.up and \
+                        now - max(w.last_seen, resumed) > self.heartbeat_timeout_s:
                     w.state = "dead"
                     logger.error("%s (another host) sent nothing for %.0f s; taken for dead",
                                  w.name, self.heartbeat_timeout_s)

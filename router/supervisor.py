@@ -66,6 +66,8 @@ class Supervisor:
                  on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
                  heartbeat_timeout_s: float = 10.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._last_round = 0.0  # monotonic time of the watch's previous round
+        self._attentive_since = 0.0  # P0's own loop stalled until then (see check)
         self.errors_total = 0  # errors the watch survived (failed starts included)
         self.last_error = ""  # the latest one (/health)
         self.router_address = router_address
@@ -113,6 +115,11 @@ class Supervisor:
 
     def check(self, now: float) -> None:
         """One round of the watch over every worker."""
+        # NOTE: if P0's own event loop was blocked (a round came late), the heartbeats of
+        # that time wait unread in the socket: silence counts only from when P0 resumed.
+        if self._last_round and now - self._last_round > 1.0:
+            self._attentive_since = now
+        self._last_round = now
         for w in self.workers:
             if w.state in ("starting", "up", "stalled") and w.proc and w.proc.poll() is not None:
                 code = w.proc.returncode
@@ -121,7 +128,8 @@ class Supervisor:
                 logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
                              w.identity, w.pid, code, w.backoff_s)
                 self.on_exit(w, code)
-            elif w.state == "up" and w.proc and now - w.last_seen > self.heartbeat_timeout_s:
+            elif w.state == "up" and w.proc and \
+                    now - max(w.last_seen, self._attentive_since) > self.heartbeat_timeout_s:
                 w.state = "stalled"  # killed now; the next round reports it like any exit
                 logger.error("%s (pid %d) sent no heartbeat for %.1f s (frozen?): killing it",
                              w.identity, w.pid, now - w.last_seen)

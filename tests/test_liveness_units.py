@@ -83,12 +83,17 @@ def test_supervisor_kills_a_silent_worker(monkeypatch):
         w.state, w.last_seen = "up", 100.0
         sup.workers.append(w)
         sup._stopping = True  # no restart here (that path is tested above)
-        sup.check(101.0)
+        for t in (100.5, 101.0, 101.5):
+            sup.check(t)
         assert w.state == "up" and w.proc.poll() is None  # not silent long enough yet
-        sup.check(103.0)
+        sup.check(105.0)  # P0's own loop was blocked 3.5 s: its heartbeats may wait unread
+        assert w.state == "up"
+        sup.check(105.2)
+        for t in (106.0, 106.8, 107.4):  # silent 2 s past P0's resumption
+            sup.check(t)
         assert w.state == "stalled"
         w.proc.wait(30)  # a hang guard
-        sup.check(103.2)
+        sup.check(107.5)
         assert w.state == "dead" and w.proc.returncode == -9
     finally:
         if w.proc.poll() is None:
