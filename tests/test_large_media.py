@@ -91,3 +91,13 @@ def test_a_12_megapixel_photo_is_served(big_image_model, tmp_path):
     finally:
         s.stop(signal.SIGTERM, timeout=60)
         s.cleanup_descendants()
+
+
+def test_an_image_over_the_context_names_the_flag(tiny_qwen2_vl):
+    from triptych.api.processor import InputProcessor
+
+    proc = InputProcessor(tiny_qwen2_vl, max_model_len=64)
+    im = Image.fromarray(np.zeros((448, 448, 3), np.uint8))  # 256 image tokens
+    with pytest.raises(ValueError, match=r"maximum context length is 64 .*--max-model-len"):
+        proc.process_chat([{"role": "user", "content": [{"type": "image", "image": im},
+                                                         {"type": "text", "text": "hi"}]}])
