@@ -59,6 +59,7 @@ class EngineConfig:
     decode_tensor_parallel_size: int | None = None  # ranks of each decode worker (default: tensor_parallel_size)
     kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | shm | tcp (auto: shm on one host; inproc is for handlers in one process, refused for pools)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
+    worker_heartbeat_timeout: float = 10.0  # seconds a worker (local or remote) may send no heartbeat before it is taken for dead: killed (local), restarted, its requests run again elsewhere; it heartbeats every 0.5 s from a thread of its own, so a long step never counts as silence
     kv_transfer_host: str = "127.0.0.1"  # kv_transfer=tcp: address this host's workers bind their data endpoints to
     worker_address: str | None = None  # tcp://HOST:PORT where pool workers on other hosts register (off unless set; needs worker_keys)
     worker_keys: str | None = None  # CURVE key directory made by `triptych keys` (the router's key is named router)
@@ -123,6 +124,9 @@ class EngineConfig:
             if not self.decode_workers:
                 raise ValueError("workers on other hosts join pools: set decode_workers (and "
                                  "prefill_workers / encode_workers) for the layout")
+        if not self.worker_heartbeat_timeout >= 2.0:  # NOTE: also refuses NaN
+            raise ValueError("worker_heartbeat_timeout must be at least 2 seconds (workers "
+                             "heartbeat every 0.5 s)")
         if not self.kv_transfer_timeout > 0:
             raise ValueError("kv_transfer_timeout must be positive")
         if self.mm_processor_cache_type not in ("lru", "shm"):

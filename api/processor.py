@@ -434,15 +434,17 @@ class InputProcessor:
         out_ids += ids[prev:]
         return self._finish(ProcessedPrompt(out_ids, items, text, sources))
 
-    def _check_len(self, n: int) -> None:
+    def _check_len(self, n: int, with_media: bool = False) -> None:
         # NOTE: `>=`: prompt + at least one output token must fit (engine/validate.py agrees).
         if self.max_model_len is not None and n >= self.max_model_len:
-            raise ValueError(context_message(self.max_model_len, n, None, "prompt"))
+            hint = (" Images and videos count by their size: send smaller ones, or start the "
+                    "server with a larger --max-model-len." if with_media else "")
+            raise ValueError(context_message(self.max_model_len, n, None, "prompt") + hint)
 
     def _finish(self, p: ProcessedPrompt) -> ProcessedPrompt:
         if not p.prompt_token_ids:
             raise ValueError("the prompt is empty")
-        self._check_len(len(p.prompt_token_ids))
+        self._check_len(len(p.prompt_token_ids), bool(p.mm_items))
         if self.fill_pixels is not None:
             self.fill_pixels(p)
         return p

@@ -48,6 +48,16 @@ def _check_private(path: str, want_dir: bool) -> None:
                              "readable by group or others (chmod 700 the folder, 600 the file)")
 
 
+def _check_public(path: str) -> None:
+    """Like ssh with authorized_keys: a public key (or its folder) that another user could
+    replace would let that user in. Owned by this user (or root), not group/world-writable."""
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.getuid(), 0):
+        raise ConnectorError(f"public key {'folder' if os.path.isdir(path) else 'file'} "
+                             f"{path} must be owned by this user (or root) and writable by "
+                             "no one else (chmod go-w); refusing to trust it")
+
+
 def generate_keys(directory: str, names: Iterable[str]) -> list[str]:
     """Make a keypair per name in ``directory`` (refusing to overwrite); return the paths."""
     names = list(names)
@@ -88,8 +98,11 @@ def load_keys(directory: str, name: str) -> Keys:
         raise ConnectorError(f"{secret_file} holds no secret key")
     peers = {}
     pub = os.path.join(directory, "public")
+    if os.path.isdir(pub):
+        _check_public(pub)
     for f in sorted(os.listdir(pub)) if os.path.isdir(pub) else []:
         if f.endswith(".key"):
+            _check_public(os.path.join(pub, f))
             peers[f[:-4]] = zmq.auth.load_certificate(os.path.join(pub, f))[0]
     return Keys(name, public, secret, peers)
 

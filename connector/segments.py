@@ -1,6 +1,12 @@
 """Shared-memory segments for the shm transport: plain files in /dev/shm (tmpfs).
 
-    <prefix><owner pid>-<endpoint id>-<seq>      e.g. triptych-4242-9f3a01bc-17
+    <prefix><owner pid>-<pid namespace>-<endpoint id>-<token>
+    e.g. triptych-4242-4026531836-9f3a01bc-5be0...(16 hex)
+
+The token is random per segment (secrets): another local user cannot guess the next name
+and pre-create it to make transfers fail. The pid namespace (its inode) keeps a server in
+a sibling container sharing /dev/shm from judging our segments by a pid that means nothing
+in its namespace (and us from judging its).
 
 The sender writes a message's tensors once with pwrite (a full /dev/shm is a clean
 ENOSPC, never a SIGBUS) into a fresh owner-only (0600) file. The receiver opens it,
@@ -47,7 +53,17 @@ def check_prefix(prefix: str) -> str:
 
 
 def name_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}(\d{{1,10}})-([0-9a-f]{{8}})-(\d{{1,12}})$")
+    """Our segments' names: (owner pid, pid namespace, endpoint id, token)."""
+    return re.compile(rf"^{re.escape(prefix)}(\d{{1,10}})-(\d{{1,20}})-([0-9a-f]{{8}})-"
+                      rf"([0-9a-f]{{16}})$")
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def layout(specs_nbytes: list[int]) -> tuple[list[int], int]:
@@ -136,8 +152,12 @@ def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
                   tmp_dir: str | None = None) -> list[str]:
     """Remove this user's segments in ``shm_dir`` and ipc socket directories in
     ``tmp_dir`` whose owner pid (the number after ``prefix``) is no longer alive. Returns
-    the removed paths. Safe to run while live endpoints use the same prefix."""
+    the removed paths. Safe to run while live endpoints use the same prefix. In /dev/shm
+    only names of our own form from our own pid namespace are judged: another container's
+    segments, and other kinds of files (P0's processor-cache ring has its own cleanup), are
+    never touched."""
     owner = re.compile(rf"^{re.escape(check_prefix(prefix))}(\d{{1,10}})-(ipc-)?")
+    ours, ns = name_pattern(prefix), pid_namespace()
     removed = []
     for folder, want_dir in ((shm_dir, False), (tmp_dir or tempfile.gettempdir(), True)):
         try:
@@ -150,6 +170,10 @@ def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
             # directories (<prefix><pid>-ipc-*) are ours to judge.
             if not m or (want_dir and not m.group(2)):
                 continue
+            if not want_dir:
+                seg = ours.match(e.name)
+                if seg is None or int(seg.group(2)) != ns:
+                    continue
             try:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:

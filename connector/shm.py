@@ -5,7 +5,6 @@ no copy) and unlinks it at once; see segments.py for who unlinks what, and when.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
 import shutil
@@ -47,7 +46,7 @@ class ShmConnector(ZmqEndpoint):
         self._shm_dir = shm_dir
         self._pattern = segments.name_pattern(prefix)
         self._id = secrets.token_hex(4)
-        self._seq = itertools.count()
+        self._ns = segments.pid_namespace()
         # NOTE: the owner pid in the name lets cleanup_stale remove a dead process's files.
         self._dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-ipc-", dir=ipc_dir)
         path = os.path.join(self._dir, "rx")
@@ -81,7 +80,8 @@ class ShmConnector(ZmqEndpoint):
             return [], {}, []
         parts = [host_bytes(t) for t in tensors]
         offsets, size = segments.layout([p.nbytes for p in parts])
-        name = f"{self.prefix}{os.getpid()}-{self._id}-{next(self._seq)}"
+        name = (f"{self.prefix}{os.getpid()}-{self._ns}-{self._id}-"
+                f"{secrets.token_hex(8)}")  # unguessable (segments.py)
         path = os.path.join(self._shm_dir, name)
         try:
             segments.write_segment(path, parts, offsets, size)

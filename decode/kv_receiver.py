@@ -7,9 +7,12 @@
     final chunk          -> every block present: the request joins the running batch with
                            its first token, as if it had been prefilled here
 
-Every reservation has a lease of ``timeout_s``: a transfer that does not complete in time
-frees its blocks and fails that request alone (the router runs it again), so a leaked
-reservation can never hold KV space for long (CVE-2026-94625 in another engine).
+Every reservation has a lease of ``timeout_s``, renewed by every chunk that arrives (the
+prefill worker sends an empty one while the request waits in its queue: see
+prefill/kv_sender.py): a transfer whose sender goes silent that long frees its blocks and
+fails that request alone (the router runs it again), so a leaked reservation can never hold
+KV space for long (CVE-2026-94625 in another engine), while a long or queued prefill under
+load keeps its blocks.
 """
 from __future__ import annotations
 
@@ -150,6 +153,7 @@ class KVReceiver:
         if hdr.first_block != held.received or hdr.first_block + n > held.num_blocks:
             raise ValueError(f"KV chunk covers blocks [{hdr.first_block}, {hdr.first_block + n})"
                              f"; expected from {held.received} within {held.num_blocks}")
+        held.deadline = time.monotonic() + self.timeout_s  # the sender is alive: renewed
         if n:
             ids = [b.block_id for b in held.blocks[hdr.first_block:hdr.first_block + n]]
             if hdr.sliced:  # the other ranks take their slices (sent rank to rank) first
@@ -162,7 +166,8 @@ class KVReceiver:
             held.received += n
             self.bytes_received += data.numel() * data.element_size() * (
                 group.size if hdr.sliced else 1)
-        self.histogram.observe(seconds)
+        if n or hdr.final:  # (a lease renewal moves nothing: not a transfer to time)
+            self.histogram.observe(seconds)
         if not hdr.final:
             return None
         if held.received != held.num_blocks:

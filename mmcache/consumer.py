@@ -65,10 +65,11 @@ class WorkerPixels:
             if len(it.grid_thw) != 3:
                 raise ValueError("bad patch grid")
             if it.cache in ("", DATA, DATA_UNCACHED) and it.pixels is not None:
-                if k >= len(frames):
+                n = wire.frames_of(it.pixels)  # a big image's pixels span several frames
+                if k + n > len(frames):
                     raise ValueError("tensor frames do not match the items")
-                t = wire.tensor_from_frame(it.pixels, frames[k])
-                k += 1
+                t = wire.tensor_from_frames(it.pixels, frames[k:k + n])
+                k += n
                 pixels.append(t)
                 if it.cache:
                     ops.append(StoreItem(it.mm_hash, it.cache, t))

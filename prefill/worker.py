@@ -24,7 +24,7 @@ class PrefillWorker(ModelWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec, data_plane=True)
-        self.sender = KVSender(self.core, self.connector)
+        self.sender = KVSender(self.core, self.connector, self.config.kv_transfer_timeout)
 
     def _add(self, msg: wire.AddRequest, items: list[MMItem]) -> list[msgspec.Struct]:
         if msg.kv_dest is None:
@@ -41,6 +41,12 @@ class PrefillWorker(ModelWorker):
         super().abort(request_id)
         self.sender.cancel(request_id)
 
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        failed = self.sender.keepalive(now)  # the decode side's leases, renewed while we hold them
+        return super().housekeeping(now) + [
+            wire.RequestError(rid, "KV transfer to the decode worker failed", retryable=True)
+            for rid in failed]
+
     def after_step(self) -> list[msgspec.Struct]:
         # NOTE: the first token reached the router (step's reply) before its KV leaves, so
         # the router knows the request moved before the decode worker's tokens arrive.
@@ -52,6 +58,7 @@ class PrefillWorker(ModelWorker):
         s = super().stats()
         s["kv_transfer_bytes_total"] = self.sender.bytes_sent
         s["kv_transfers_total"] = self.sender.transfers
+        s["kv_lease_renewals_total"] = self.sender.keepalives
         s["kv_transfer_rank_to_rank_total"] = self.sender.sliced
         s["requests_waiting_for_embeddings"] = len(self.inbox)
         return s

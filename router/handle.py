@@ -28,7 +28,7 @@ class WorkerHandle:
     # -- the process (supervisor) --
     incarnation: int = 0
     proc: subprocess.Popen | None = None
-    state: str = "starting"  # starting | up | dead | stopped
+    state: str = "starting"  # starting | up | stalled (silent: being killed) | dead | stopped
     restarts: int = 0
     started_at: float = 0.0
     restart_at: float = 0.0
@@ -36,7 +36,9 @@ class WorkerHandle:
     backoff_s: float = 0.0  # the wait before the pending (or last) restart
     remote: str | None = None  # a worker on another host: its identity (name#tag); not ours
     # to start or restart, alive while its heartbeats (stats) come
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # monotonic time of its last message or heartbeat
+    busy_s: float = 0.0  # its last heartbeat: seconds inside the current step (0: idle)
+    spawn_error: str = ""  # the last start of its process failed (fork EAGAIN, ...): why
     # -- what it told the router --
     info: dict[str, Any] = field(default_factory=dict)  # what its Hello said
     stats: dict[str, float] = field(default_factory=dict)  # its latest WorkerStats

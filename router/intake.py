@@ -57,6 +57,11 @@ class Intake:
         except (msgspec.DecodeError, msgspec.ValidationError):
             logger.error("dropped a malformed message from %r", ident[:64])
             return
+        # a worker's heartbeat thread has a socket of its own (worker/heartbeat.py)
+        beat = ident.endswith(wire.HEARTBEAT_SUFFIX)
+        if beat != isinstance(msg, wire.Heartbeat):
+            return  # a heartbeat socket carries heartbeats only, and only it does
+        ident = ident.removesuffix(wire.HEARTBEAT_SUFFIX)
         if remote:  # the claimed name must be the name of the key it authenticated with
             key_name = self.sockets.key_name(frames[0])
             if key_name is None or ident.partition("#")[0] != key_name:
@@ -69,7 +74,9 @@ class Intake:
         if worker is None:
             return  # an old incarnation's late message, or not one of ours
         worker.last_seen = time.monotonic()
-        if isinstance(msg, wire.StepOutputs):
+        if isinstance(msg, wire.Heartbeat):
+            worker.busy_s = msg.busy_s
+        elif isinstance(msg, wire.StepOutputs):
             self._on_outputs(worker, msg.outputs)
         elif isinstance(msg, wire.WorkerStats):
             worker.stats = msg.values

@@ -4,7 +4,8 @@ Local workers are registered once at start (the supervisor restarts their proces
 handle stays). A worker on another host registers itself with a Hello on the CURVE socket:
 the first Hello of a node adds its handle; a Hello from a new incarnation of a known node
 (it restarted) ends what the old one was running. Remote workers are not ours to restart:
-one silent for REMOTE_TIMEOUT_S is taken for dead.
+one silent for --worker-heartbeat-timeout is taken for dead; a name a local worker holds is
+refused, and so is a worker whose model fingerprint is not ours (worker/fingerprint.py).
 """
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ from triptych.router.routing import pick
 from triptych.worker import wire
 
 logger = logging.getLogger("triptych.router")
-REMOTE_TIMEOUT_S = 10.0  # a worker on another host silent this long is taken for dead (its
-# heartbeat is its stats, every 0.25 s; a step bounded by max_num_batched_tokens is shorter)
 
 
 class WorkerRegistry:
     def __init__(self, layout: Layout, block_size: int,
-                 on_exit: Callable[[WorkerHandle, int], None]) -> None:
+                 on_exit: Callable[[WorkerHandle, int], None],
+                 heartbeat_timeout_s: float = 10.0, model_fingerprint: str = "") -> None:
         """``on_exit(handle, code)``: a worker died (here: a remote one, or a restarted
-        node's old incarnation); the supervisor reports local deaths the same way."""
+        node's old incarnation); the supervisor reports local deaths the same way. A
+        remote worker silent for ``heartbeat_timeout_s`` is taken for dead (its heartbeat
+        thread sends every 0.5 s, worker/heartbeat.py)."""
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.model_fingerprint = model_fingerprint  # ours: a remote worker must match it
+        self.refused: dict[str, str] = {}  # remote names refused, and why (logged once)
         self.layout = layout
         self.block_size = block_size
         self.on_exit = on_exit
@@ -61,8 +66,21 @@ class WorkerRegistry:
             logger.warning("refused %s: pool %r is not in this layout (%s)", ident, msg.pool,
                            self.layout)
             return None
-        w = self._by_name.get(ident.partition("#")[0])
-        if w is None or w.remote is None:
+        name = ident.partition("#")[0]
+        w = self._by_name.get(name)
+        why = ""
+        if w is not None and w.remote is None:
+            why = f"its name {name!r} is a local worker's; give it another (--name)"
+        elif msg.model_fingerprint != self.model_fingerprint:
+            why = (f"it serves another checkpoint (model fingerprint "
+                   f"{msg.model_fingerprint[:12] or 'missing'} != ours "
+                   f"{self.model_fingerprint[:12]})")
+        if why:
+            if self.refused.get(ident) != why:
+                logger.error("refused worker %s from another host: %s", ident, why)
+            self.refused[ident] = why
+            return None
+        if w is None:
             index = sum(1 for x in self.workers if x.pool == msg.pool)
             w = self._add(WorkerHandle(msg.pool, index, {}, remote=ident))
         elif w.remote != ident:  # the same node, restarted: its old requests are gone
@@ -77,13 +95,18 @@ class WorkerRegistry:
 
     async def watch_remote(self) -> None:
         """Take a silent remote worker for dead. Runs until cancelled."""
+        last = resumed = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last > 2.0:  # P0's loop was blocked: unread heartbeats are no silence
+                resumed = now
+            last = now
             for w in list(self.workers):
-                if w.remote and w.up and now - w.last_seen > REMOTE_TIMEOUT_S:
+                if w.remote and w.up and \
+                        now - max(w.last_seen, resumed) > self.heartbeat_timeout_s:
                     w.state = "dead"
                     logger.error("%s (another host) sent nothing for %.0f s; taken for dead",
-                                 w.name, REMOTE_TIMEOUT_S)
+                                 w.name, self.heartbeat_timeout_s)
                     self.on_exit(w, -1)
             await asyncio.sleep(0.5)
 

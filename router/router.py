@@ -79,7 +79,12 @@ class Router:
         self._threads = [sum(next(shares) for _ in range(r)) for r in ranks]
         if threads_per_worker or config.cpu_threads:
             self._threads = [(threads_per_worker or config.cpu_threads) * r for r in ranks]
-        self.registry = WorkerRegistry(self.layout, config.block_size, self._on_worker_exit)
+        from triptych.worker.fingerprint import model_fingerprint
+
+        self.registry = WorkerRegistry(
+            self.layout, config.block_size, self._on_worker_exit,
+            config.worker_heartbeat_timeout,
+            model_fingerprint(config.model) if config.worker_address else "")
         self.requests = RequestTable(self.pixels.unpin)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -103,7 +108,8 @@ class Router:
         intake = Intake(sockets, self.registry, self.requests, self.migration, self.outputs,
                         self.pixels)
         self.supervisor = Supervisor(sockets.address, self.tokenizer.eos_token_id,
-                                     self._on_worker_exit, shm_ring=self.pixels.ring_name)
+                                     self._on_worker_exit, shm_ring=self.pixels.ring_name,
+                                     heartbeat_timeout_s=self.config.worker_heartbeat_timeout)
         config = dataclasses.asdict(self.config)
         threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
@@ -162,24 +168,38 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         """{"status": ok | degraded | unavailable, "layout", "pools": {pool: {"live",
-        "workers": [{index, name, pid, state, restarts, remote, served, requests}]}}}:
-        ``served`` counts the requests a worker did its part of (encoded, prefilled or
-        finished), ``requests`` the ones it holds now."""
+        "workers": [{index, name, pid, state, restarts, remote, served, requests,
+        silent_s, busy_s, start_error}]}}, "stalled": [names], "slow_steps": [names],
+        "supervisor": {state, errors_total, last_error, failing_to_start}}: ``served``
+        counts the requests a worker did its part of (encoded, prefilled or finished),
+        ``requests`` the ones it holds now, ``silent_s`` the seconds since its last
+        heartbeat, ``busy_s`` how long its current step has run. ``stalled``: workers
+        taken for frozen (being killed); ``slow_steps``: live workers inside one step for
+        longer than the heartbeat timeout (shown, not killed: a big image can take that)."""
         pools: dict[str, Any] = {}
+        now = time.monotonic()
         for pool in self.layout.pools:
             ws = self.registry.pool(pool)
             pools[pool] = {"live": sum(w.up for w in ws), "workers": [
                 {"index": w.index, "name": w.name, "pid": w.pid, "state": w.state,
                  "restarts": w.restarts, "remote": w.remote is not None, "served": w.served,
-                 "requests": len(self.requests.on(w))}
+                 "requests": len(self.requests.on(w)),
+                 "silent_s": round(now - w.last_seen, 1) if w.up else None,
+                 "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None}
                 for w in ws]}
+        stalled = [w.name for w in self.registry.workers if w.state == "stalled"]
+        slow = [w.name for w in self.registry.workers
+                if w.up and w.busy_s > self.config.worker_heartbeat_timeout]
+        supervisor = self.supervisor.health() if self.supervisor else {"state": "ok"}
         if self._closed or any(p["live"] == 0 for p in pools.values()):
             status = "unavailable"
-        elif any(p["live"] < len(p["workers"]) for p in pools.values()):
+        elif supervisor["state"] != "ok" or \
+                any(p["live"] < len(p["workers"]) for p in pools.values()):
             status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "layout": str(self.layout), "pools": pools}
+        return {"status": status, "layout": str(self.layout), "pools": pools,
+                "stalled": stalled, "slow_steps": slow, "supervisor": supervisor}
 
     def stats(self) -> dict[str, float]:
         """Every live worker's gauges and counters summed (KV usage averaged), each pool's

@@ -2,7 +2,11 @@
 
     spawn(worker)   python -m triptych.<pool>.worker, WorkerSpec as JSON on stdin (no pickle)
     watch()         every WATCH_INTERVAL_S: a worker that exited is reported (on_exit) and
-                    restarted after a backoff (0.5 s doubling to 30 s; reset after 60 s up)
+                    restarted after a backoff (0.5 s doubling to 30 s; reset after 60 s up);
+                    a worker up but silent (no heartbeat, worker/heartbeat.py) for
+                    ``heartbeat_timeout_s`` is frozen: SIGKILL, then the same path. A failed
+                    start (fork EAGAIN, ...) is logged, shown in /health, retried with the
+                    backoff; no error stops the watch.
     stop_all()      SIGTERM to every worker, SIGKILL after a grace period, run dir removed
 
 Workers exit by themselves when P0 dies (worker_loop: PDEATHSIG + parent check), so a
@@ -59,7 +63,13 @@ def make_run_dir() -> str:
 
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
-                 on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None) -> None:
+                 on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
+                 heartbeat_timeout_s: float = 10.0) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._last_round = 0.0  # monotonic time of the watch's previous round
+        self._attentive_since = 0.0  # P0's own loop stalled until then (see check)
+        self.errors_total = 0  # errors the watch survived (failed starts included)
+        self.last_error = ""  # the latest one (/health)
         self.router_address = router_address
         self.shm_ring = shm_ring  # P0's shared-memory processor cache, if any
         self.eos_token_id = eos_token_id
@@ -89,28 +99,74 @@ class Supervisor:
         w.proc.stdin.write(msgspec.json.encode(spec))
         w.proc.stdin.close()
         w.state, w.started_at, w.info, w.stats = "starting", time.monotonic(), {}, {}
+        w.busy_s = 0.0
         logger.info("started %s (pid %d)", w.identity, w.proc.pid)
 
     async def watch(self) -> None:
-        """Notice exits, report them, restart after the backoff. Runs until cancelled."""
+        """Notice exits and silences, report them, restart after the backoff. Runs until
+        cancelled; an error in one round is logged and counted, and the next round runs."""
         while True:
-            now = time.monotonic()
-            for w in self.workers:
-                if w.state in ("starting", "up") and w.proc and w.proc.poll() is not None:
-                    code = w.proc.returncode
-                    w.state = "dead"
-                    w.failures = 0 if now - w.started_at > STABLE_S else w.failures + 1
-                    w.backoff_s = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** max(w.failures - 1, 0))
-                    w.restart_at = now + w.backoff_s
-                    logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
-                                 w.identity, w.pid, code, w.backoff_s)
-                    self.on_exit(w, code)
-                elif w.state == "dead" and w.remote is None and not self._stopping \
-                        and now >= w.restart_at:
-                    w.restarts += 1
-                    self.restarts_total += 1
-                    self.spawn(w)
+            try:
+                self.check(time.monotonic())
+            except Exception as e:  # death detection must never stop: log, count, go on
+                self._note_error(f"supervisor round failed: {e!r}")
+                logger.exception("the supervisor's watch failed one round; it goes on")
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def check(self, now: float) -> None:
+        """One round of the watch over every worker."""
+        # NOTE: if P0's own event loop was blocked (a round came late), the heartbeats of
+        # that time wait unread in the socket: silence counts only from when P0 resumed.
+        if self._last_round and now - self._last_round > 1.0:
+            self._attentive_since = now
+        self._last_round = now
+        for w in self.workers:
+            if w.state in ("starting", "up", "stalled") and w.proc and w.proc.poll() is not None:
+                code = w.proc.returncode
+                w.state = "dead"
+                self._schedule_restart(w, now)
+                logger.error("%s (pid %d) exited with %s; restarting in %.1f s",
+                             w.identity, w.pid, code, w.backoff_s)
+                self.on_exit(w, code)
+            elif w.state == "up" and w.proc and \
+                    now - max(w.last_seen, self._attentive_since) > self.heartbeat_timeout_s:
+                w.state = "stalled"  # killed now; the next round reports it like any exit
+                logger.error("%s (pid %d) sent no heartbeat for %.1f s (frozen?): killing it",
+                             w.identity, w.pid, now - w.last_seen)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()  # NOTE: SIGKILL ends a stopped (SIGSTOP) process too
+            elif w.state == "dead" and w.remote is None and not self._stopping \
+                    and now >= w.restart_at:
+                try:
+                    self.spawn(w)
+                except OSError as e:  # fork EAGAIN, ENOMEM, a missing interpreter...
+                    w.spawn_error = f"{type(e).__name__}: {e}"
+                    self._note_error(f"starting {w.name} failed: {w.spawn_error}")
+                    w.state = "dead"
+                    self._schedule_restart(w, now)
+                    logger.error("starting %s failed (%s); trying again in %.1f s", w.name,
+                                 w.spawn_error, w.backoff_s)
+                    continue
+                w.spawn_error = ""
+                w.restarts += 1
+                self.restarts_total += 1
+
+    def _schedule_restart(self, w: WorkerHandle, now: float) -> None:
+        w.failures = 0 if w.spawn_error == "" and now - w.started_at > STABLE_S \
+            else w.failures + 1
+        w.backoff_s = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** max(w.failures - 1, 0))
+        w.restart_at = now + w.backoff_s
+
+    def _note_error(self, what: str) -> None:
+        self.errors_total += 1
+        self.last_error = what
+
+    def health(self) -> dict[str, object]:
+        """{"state": ok | degraded, "errors_total", "last_error"}: degraded while a worker
+        cannot be started (/health)."""
+        failing = [w.name for w in self.workers if w.spawn_error]
+        return {"state": "degraded" if failing else "ok", "errors_total": self.errors_total,
+                "last_error": self.last_error, "failing_to_start": failing}
 
     async def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every worker (a clean exit), SIGKILL what is left after ``grace_s``."""

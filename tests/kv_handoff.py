@@ -24,7 +24,7 @@ class HandOff:
         self.prefill, self.decode = prefill, decode
         self.tx = make_connector("inproc", name=f"handoff-p{n}", header_type=wire.DataMsg)
         self.rx = make_connector("inproc", name=f"handoff-d{n}", header_type=wire.DataMsg)
-        self.sender = KVSender(prefill, self.tx)
+        self.sender = KVSender(prefill, self.tx, timeout_s)  # renews the lease below
         self.receiver = KVReceiver(decode, timeout_s)
 
     def reserve(self, rid: str, prompt: list[int], params: SamplingParams,

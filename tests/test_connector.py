@@ -181,7 +181,7 @@ def test_forged_shm_handles(prefix):
         ok = [TensorSpec("float32", [4], 16)]
 
         def real_segment(size: int = 64) -> str:
-            name = f"{prefix}{os.getpid()}-0123abcd-{secrets.randbelow(10**6)}"
+            name = f"{prefix}{os.getpid()}-{seg.pid_namespace()}-0123abcd-{secrets.token_hex(8)}"
             seg.write_segment(f"/dev/shm/{name}", [], [], size)
             return name
 
@@ -205,7 +205,8 @@ def test_forged_shm_handles(prefix):
         raw.send(_env(Embeddings("m"), ok))  # tensors announced, no segment
         with pytest.raises(BadMessage, match="bad shared-memory segment name"):
             rx.recv(5000)
-        raw.send(_env(Embeddings("g"), ok, segment=f"{prefix}{os.getpid()}-0123abcd-999999999",
+        gone = f"{prefix}{os.getpid()}-{seg.pid_namespace()}-0123abcd-00000000deadbeef"
+        raw.send(_env(Embeddings("g"), ok, segment=gone,
                       segment_size=64))
         with pytest.raises(BadMessage, match="gone"):
             rx.recv(5000)
@@ -291,21 +292,28 @@ def test_tcp_is_never_open_by_default():
 def test_cleanup_stale_spares_the_living(prefix):
     live = make_connector("shm", name="live", header_type=Header, shm_prefix=prefix)
     dead_pid = _dead_pid()
+    ns = seg.pid_namespace()
     os.makedirs(os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x"), mode=0o700)
     other = os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-someone-elses")
     os.makedirs(other, mode=0o700)  # not a socket dir of ours: never judged
-    for name in (f"{prefix}{dead_pid}-0123abcd-1", f"{prefix}{os.getpid()}-0123abcd-1"):
+    token = "00000000deadbeef"
+    dead = f"{prefix}{dead_pid}-{ns}-0123abcd-{token}"
+    kept = [f"{prefix}{os.getpid()}-{ns}-0123abcd-{token}",  # alive
+            f"{prefix}{dead_pid}-{ns + 1}-0123abcd-{token}",  # a sibling container's
+            f"{prefix}{dead_pid}-1234-{ns}-{token}"]  # another kind (the ring's form)
+    for name in [dead, *kept]:
         seg.write_segment(f"/dev/shm/{name}", [], [], 64)
     try:
         removed = cleanup_stale(prefix)
         assert sorted(removed) == sorted([
-            f"/dev/shm/{prefix}{dead_pid}-0123abcd-1",
+            f"/dev/shm/{dead}",
             os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x")])
-        assert os.path.exists(f"/dev/shm/{prefix}{os.getpid()}-0123abcd-1")
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in kept)
         assert os.path.exists(live.address.removeprefix("ipc://")) and os.path.isdir(other)
     finally:
         os.rmdir(other)
-        os.unlink(f"/dev/shm/{prefix}{os.getpid()}-0123abcd-1")
+        for n in kept:
+            os.unlink(f"/dev/shm/{n}")
         live.close()
 
 

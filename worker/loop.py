@@ -5,12 +5,17 @@
             send Hello, then loop:
               poll the router (and the handler's data sockets) -> handler.handle(msg)
               handler.step() when it has work -> replies to the router
-              WorkerStats every STATS_INTERVAL_S (the router's heartbeat)
+              WorkerStats every STATS_INTERVAL_S
+            a thread beside the loop: Heartbeat every HEARTBEAT_INTERVAL_S on a socket of
+            its own (worker/heartbeat.py), so a long step never looks like a dead worker
 
 What keeps one bad message or one bad request from hurting the rest:
 - every message is decoded against a fixed union; garbage is logged and dropped;
 - the handler turns a refused request into a RequestError for that request only;
-- the engine core isolates a failing step to the request that causes it.
+- the engine core isolates a failing step to the request that causes it;
+- but a broken runner (a tensor-parallel rank died: ``RunnerBroken``), even when its
+  signal lands while a message is handled, ends the process: the router migrates its
+  requests (it is never the request's fault, so never a 400).
 What keeps the process from outliving the server: the kernel sends SIGUSR1 when P0 dies
 (prctl PDEATHSIG, Linux), the loop also checks its parent every iteration; both, SIGTERM
 (the supervisor's stop) and a Shutdown message end the loop through the same clean path.
@@ -29,7 +34,9 @@ from typing import Any
 
 import msgspec
 import zmq
+from triptych.engine.model_runner import RunnerBroken
 from triptych.worker import wire
+from triptych.worker.heartbeat import HeartbeatThread
 
 logger = logging.getLogger("triptych.worker")
 STATS_INTERVAL_S = 0.25
@@ -158,8 +165,11 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     handler: Handler | None = None
+    secure = (lambda s: _secure(s, spec)) if spec.router_address.startswith("tcp://") else None
+    heartbeat = HeartbeatThread(ctx, spec.worker_id, spec.router_address, secure)
     try:
         _check_parent(spec)
+        heartbeat.start()  # NOTE: before the model loads: a frozen loader is caught too
         handler = make_handler(spec)
         sock.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
@@ -168,8 +178,8 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         if spec.router_address.startswith("tcp://"):  # another host: CURVE, or nothing
             _secure(sock, spec)
         sock.connect(spec.router_address)
-        _send(sock, handler.hello(spec), spec)
-        _loop(spec, handler, sock)
+        _send(sock, _hello(handler, spec), spec)
+        _loop(spec, handler, sock, heartbeat)
     except _Stop as e:
         _stopping = True
         logger.info("worker stops (%s)", e)
@@ -178,6 +188,7 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         _stopping = True  # from here on a signal changes nothing
         if orphaned or (spec.parent_pid and os.getppid() != spec.parent_pid):
             _remove_run_dir(spec)  # whatever ended the loop: an orphan cleans up for P0
+        heartbeat.stop()
         if handler is not None:
             handler.close()
         sock.close(0)
@@ -228,7 +239,8 @@ def _send(sock: zmq.Socket, msg: msgspec.Struct, spec: WorkerSpec) -> None:
                 raise _Stop("the router took no message for 30 s") from None
 
 
-def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
+def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
+          heartbeat: HeartbeatThread) -> None:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     data = handler.data_socket()
@@ -252,17 +264,39 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket) -> None:
         for reply in handler.housekeeping(time.monotonic()):
             _send(sock, reply, spec)
         if handler.has_work():
-            for reply in handler.step():
+            heartbeat.step_begins()
+            try:
+                replies = handler.step()
+            finally:
+                heartbeat.step_ends()
+            for reply in replies:
                 _send(sock, reply, spec)
             for reply in handler.after_step():
                 _send(sock, reply, spec)
         now = time.monotonic()
         if spec.remote and now - last_hello >= HELLO_EVERY_S:
             last_hello = now
-            _send(sock, handler.hello(spec), spec)
+            _send(sock, _hello(handler, spec), spec)
         if now - last_stats >= STATS_INTERVAL_S:
             last_stats = now
             _send(sock, wire.WorkerStats(handler.stats()), spec)
+
+
+_fingerprints: dict[str, str] = {}
+
+
+def _hello(handler: Handler, spec: WorkerSpec) -> wire.Hello:
+    """The handler's Hello; a worker on another host adds its model's fingerprint (the
+    router refuses one that serves another checkpoint)."""
+    hello = handler.hello(spec)
+    if not spec.remote:
+        return hello
+    model = str(spec.config.get("model", ""))
+    if model not in _fingerprints:
+        from triptych.worker.fingerprint import model_fingerprint
+
+        _fingerprints[model] = model_fingerprint(model)
+    return msgspec.structs.replace(hello, model_fingerprint=_fingerprints[model])
 
 
 def _receive(handler: Handler, frames: list[bytes]) -> list[msgspec.Struct]:
@@ -281,6 +315,8 @@ def _receive(handler: Handler, frames: list[bytes]) -> list[msgspec.Struct]:
         raise _Stop("Shutdown message")
     try:
         return handler.handle(msg, frames)
+    except RunnerBroken:  # a rank died (its signal may land here): the worker is broken
+        raise
     except Exception:  # our bug, not the message's: log it, keep serving
         logger.exception("handling a %s message failed", type(msg).__name__)
         rid = getattr(msg, "request_id", None)

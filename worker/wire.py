@@ -28,8 +28,11 @@ from triptych.engine.outputs import EngineCoreOutput
 from triptych.engine.sampling_params import SamplingParams
 from triptych.mmcache.shm_ring import ShmItemRef
 
-MAX_FRAME_BYTES = 256 << 20  # one tensor frame at most
-MAX_MESSAGE_BYTES = 1 << 30  # one multipart message at most (ZMQ drops bigger ones)
+MAX_FRAME_BYTES = 256 << 20  # one frame at most: a bigger tensor spans several (frames_of)
+MAX_MESSAGE_BYTES = 1 << 30  # ZMQ_MAXMSGSIZE: libzmq checks it per frame (part), so a
+# chunked tensor of any size passes; what bounds pixels is the model's context (the processor)
+MAX_TENSOR_BYTES = 16 << 30  # one tensor at most, summed over its frames (a forged shape
+# cannot make the receiver allocate more)
 MAX_TENSOR_DIMS = 6
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -118,6 +121,8 @@ class Hello(msgspec.Struct, tag="hello"):
     data_address: str = ""  # its connector endpoint (pools), where peers send data
     encoder_cache_bytes: int = 0  # embedding bytes it can keep (router's encode routing)
     rank_addresses: list[str] = []  # a tensor-parallel group's data addresses, rank by rank
+    model_fingerprint: str = ""  # config + weights digest (worker/fingerprint.py): a worker
+    # on another host with another checkpoint is refused before it joins a pool
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -133,7 +138,19 @@ class RequestError(msgspec.Struct, tag="error"):
 
 
 class WorkerStats(msgspec.Struct, tag="stats"):
-    values: dict[str, float]  # EngineCore.stats() gauges and counters (also a heartbeat)
+    values: dict[str, float]  # EngineCore.stats() gauges and counters
+
+
+HEARTBEAT_SUFFIX = "~hb"  # a worker's heartbeat socket: its identity plus this
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every HEARTBEAT_INTERVAL_S by a thread of its own on a socket of its own
+    (identity + HEARTBEAT_SUFFIX): it stops only when the whole process stops (frozen,
+    SIGSTOP, dead), never because the loop is inside a long step."""
+
+    busy_s: float = 0.0  # seconds the loop has been inside the current step (0: idle);
+    # /health shows it (a step that never ends is visible, not killed: see liveness notes)
 
 
 class KVReserved(msgspec.Struct, tag="reserved"):
@@ -161,7 +178,7 @@ class HandBack(msgspec.Struct, tag="handback"):
 
 
 FromWorker = (Hello | StepOutputs | RequestError | WorkerStats | KVReserved | EncodeDone
-              | NeedEmbeddings | HandBack)
+              | NeedEmbeddings | HandBack | Heartbeat)
 
 
 # -- worker -> worker (data plane, through a connector) -----------------------------------------
@@ -228,8 +245,50 @@ def encode(msg: msgspec.Struct, tensors: list[torch.Tensor] | None = None) -> li
 
 
 def encode_tensors(tensors: list[torch.Tensor]) -> list[bytes]:
-    """Raw bytes of each tensor (bf16 has no numpy dtype: go through uint8)."""
-    return [t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors]
+    """Raw bytes of each tensor (bf16 has no numpy dtype: go through uint8), a tensor over
+    MAX_FRAME_BYTES in consecutive frames of at most that size (``frames_of`` says how
+    many; an empty tensor is one empty frame)."""
+    out: list[bytes] = []
+    for t in tensors:
+        raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        out += [raw[i:i + MAX_FRAME_BYTES].tobytes()
+                for i in range(0, max(len(raw), 1), MAX_FRAME_BYTES)]
+    return out
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    if meta.dtype not in _DTYPES:
+        raise ValueError(f"unsupported tensor dtype {meta.dtype!r}")
+    if len(meta.shape) > MAX_TENSOR_DIMS or any(type(s) is not int or s < 0 for s in meta.shape):
+        raise ValueError("bad tensor shape")
+    # NOTE: math.prod on Python ints cannot overflow (np.prod wraps around to 0 for a
+    # forged shape like [2**32, 2**32], which would then "match" an empty frame).
+    nbytes = math.prod(meta.shape) * torch.tensor([], dtype=_DTYPES[meta.dtype]).element_size()
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(f"a tensor of {nbytes} bytes is over the {MAX_TENSOR_BYTES} byte cap")
+    return nbytes
+
+
+def frames_of(meta: TensorMeta) -> int:
+    """How many frames the tensor ``meta`` describes travels in. Raises ValueError."""
+    return max(1, -(-_nbytes(meta) // MAX_FRAME_BYTES))
+
+
+def tensor_from_frames(meta: TensorMeta, frames: list[bytes]) -> torch.Tensor:
+    """A tensor sent in ``frames_of(meta)`` frames, after checking dtype, shape, frame
+    count and every frame's length."""
+    nbytes = _nbytes(meta)
+    if len(frames) != frames_of(meta):
+        raise ValueError("tensor frames do not match the items")
+    if len(frames) == 1:
+        return tensor_from_frame(meta, frames[0])
+    want = [min(MAX_FRAME_BYTES, nbytes - i) for i in range(0, nbytes, MAX_FRAME_BYTES)]
+    if [len(f) for f in frames] != want:
+        raise ValueError("tensor frame size does not match its shape")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    for i, f in zip(range(0, nbytes, MAX_FRAME_BYTES), frames):
+        buf[i:i + len(f)] = torch.frombuffer(f, dtype=torch.uint8)
+    return buf.view(_DTYPES[meta.dtype]).view(meta.shape)
 
 
 def decode_to_worker(frames: list[bytes]) -> ToWorker:
@@ -241,15 +300,9 @@ def decode_from_worker(frame: bytes) -> FromWorker:
 
 
 def tensor_from_frame(meta: TensorMeta, frame: bytes | memoryview) -> torch.Tensor:
-    """View a frame as a tensor after checking dtype, shape and byte length."""
-    if meta.dtype not in _DTYPES:
-        raise ValueError(f"unsupported tensor dtype {meta.dtype!r}")
-    if len(meta.shape) > MAX_TENSOR_DIMS or any(type(s) is not int or s < 0 for s in meta.shape):
-        raise ValueError("bad tensor shape")
+    """View one frame as a tensor after checking dtype, shape and byte length."""
+    nbytes = _nbytes(meta)
     dtype = _DTYPES[meta.dtype]
-    # NOTE: math.prod on Python ints cannot overflow (np.prod wraps around to 0 for a
-    # forged shape like [2**32, 2**32], which would then "match" an empty frame).
-    nbytes = math.prod(meta.shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes > MAX_FRAME_BYTES or len(frame) != nbytes:
         raise ValueError("tensor frame size does not match its shape")
     buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if nbytes else \
