@@ -28,7 +28,6 @@ from server_fixtures import (
     wait_for,
 )
 
-import openai  # noqa: E402 (the [test] extra)
 MAX_TOKENS = 6
 IMAGE = data_url(png(img(77, 112, 84)))
 OTHER = data_url(png(img(78, 84, 112)))

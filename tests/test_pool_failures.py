@@ -32,7 +32,6 @@ from server_fixtures import (
     user,
 )
 
-import openai  # noqa: E402 (the [test] extra)
 MAX_LEN = 2048
 
 

@@ -29,7 +29,6 @@ from server_fixtures import (
     user,
 )
 
-import openai  # noqa: E402 (the [test] extra)
 
 
 # -- in-process: the worker's message handling and the engine core's step isolation ----------
