@@ -89,15 +89,18 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt; outputs come back in the order of the prompts."""
+        return self._run(self._prompts(prompts), sampling_params, use_tqdm)
+
+    def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[ProcessedPrompt]:
+        """One prompt or a list of them, processed. Already-processed prompts
+        (ProcessedPrompt) pass through: benchmarks and pipelines that preprocess ahead of
+        time do not pay for it twice."""
         if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
                 prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        # Already-processed prompts (ProcessedPrompt) pass through: benchmarks and pipelines
-        # that preprocess ahead of time do not pay for it twice.
-        processed = [p if isinstance(p, ProcessedPrompt) else
-                     self._process(i, lambda p=p: self.processor.process_prompt(p))
-                     for i, p in enumerate(prompts)]
-        return self._run(processed, sampling_params, use_tqdm)
+        return [p if isinstance(p, ProcessedPrompt) else
+                self._process(i, lambda p=p: self.processor.process_prompt(p))
+                for i, p in enumerate(prompts)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -125,12 +128,7 @@ class LLM:
         shares the prompts' KV (engine/beam_search.py)."""
         if self.layout.has_prefill_pool:
             raise ValueError("beam search runs in colocated layouts only (not P+D)")
-        if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
-                prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        processed = [p if isinstance(p, ProcessedPrompt) else
-                     self._process(i, lambda p=p: self.processor.process_prompt(p))
-                     for i, p in enumerate(prompts)]
+        processed = self._prompts(prompts)
         searches = [BeamSearch(params, self.tokenizer.eos_token_id,
                                beam_max_tokens(params, len(pp.prompt_token_ids),
                                                self.max_model_len),
