@@ -168,3 +168,36 @@ def test_tensor_parallel_is_refused_in_one_line(tiny):
     with pytest.raises(ValueError) as e:
         LLM(tiny, **KNOBS, tensor_parallel_size=2)
     assert "\n" not in str(e.value) and "tensor" in str(e.value).lower()
+
+
+def test_each_part_loads_only_its_weights(tiny, llm):
+    """An encode worker's model (vision) holds no LM weights and a language-only one no
+    tower, yet the vision part alone gives the same payloads as the whole model."""
+    from triptych.models.loader import load_model
+    from triptych.models.weight_parts import weight_bytes
+
+    vision, _ = load_model(tiny, torch.float32, "cpu", parts="vision")
+    language, _ = load_model(tiny, torch.float32, "cpu", parts="language")
+    assert weight_bytes(vision)["language"] == 0 < weight_bytes(vision)["vision"]
+    assert weight_bytes(language)["vision"] == 0 < weight_bytes(language)["language"]
+    p = llm.processor.process_chat(TWO)
+    pixels = torch.cat([it.pixel_values for it in p.mm_items])
+    grid = torch.tensor([it.grid_thw for it in p.mm_items])
+    mine = vision.encode_images(pixels, grid)
+    whole = llm.engine.core.model.encode_images(pixels, grid)
+    assert [tuple(t.shape) for t in mine] == [(it.length, 64) for it in p.mm_items]
+    assert all(torch.equal(a, b) for a, b in zip(mine, whole))
+
+
+def test_a_config_the_contract_cannot_serve_fails_at_start(tiny, tmp_path):
+    bad = str(tmp_path / "bad_layer")
+    shutil.copytree(tiny, bad)
+    path = os.path.join(bad, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["vision_feature_layer"] = -2
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError) as e:
+        LLM(bad, **KNOBS)
+    assert "vision_feature_layer" in str(e.value) and "\n" not in str(e.value)
