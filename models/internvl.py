@@ -7,8 +7,9 @@
     shuffle  pixel shuffle by downsample_ratio r: g x g features -> (g*r) x (g*r), channels
              / r**2; so "spatial merge" = 1 / r and an image holds tiles * (g*r)**2 rows
     project  LayerNorm -> Linear -> GELU -> Linear (multi_modal_projector)
-    decoder  Qwen2 with 1-D RoPE: the contract gives the same position on all three M-RoPE
-             rows, and any section split of identical rows is plain RoPE
+    decoder  Qwen2 (InternVL3) or Qwen3 (InternVL3.5: q/k norm, the config's head_dim)
+             with 1-D RoPE: the contract gives the same position on all three M-RoPE rows,
+             and any split of identical rows over the frequencies is plain RoPE
 
 Parameter names: visual.vision_tower.* / visual.multi_modal_projector.* (checkpoint
 model.vision_tower.* / model.multi_modal_projector.*), language_model.*, lm_head.*.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from triptych.kernels import get_ops
 from triptych.models.qwen2_vl import Qwen2TextModel, Qwen2VLForCausalLM, text_head_dim
+from triptych.models.qwen3_vl import Qwen3TextModel, interleaved_rope_plan
 from triptych.models.weight_parts import check_parts
 
 
@@ -73,7 +75,7 @@ class InternVLVision(nn.Module):
 
 
 class InternVLForCausalLM(Qwen2VLForCausalLM):
-    """InternVL (Qwen2 decoder) on flat token batches. No TP plan yet (the contract
+    """InternVL (Qwen2 or Qwen3 decoder) on flat token batches. No TP plan yet (the contract
     refuses tensor_parallel_size > 1)."""
 
     supports_encoder_data_parallel = True  # tiles never attend across items
@@ -90,7 +92,8 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
         if rp.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope_type {rp.get('rope_type')!r} is not supported")
         self.rope_theta = float(rp.get("rope_theta", getattr(text, "rope_theta", 1e6)))
-        self.head_dim = text_head_dim(text)
+        self.qwen3 = text.model_type == "qwen3"
+        self.head_dim = int(text.head_dim) if self.qwen3 else text_head_dim(text)
         self.mrope_section = [self.head_dim // 2, 0, 0]  # 1-D: every frequency reads row 0
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) or
                                         getattr(config, "tie_word_embeddings", False))
@@ -102,13 +105,23 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
             if parts != "language":
                 self.visual = InternVLVision(config)
             if parts != "vision":
-                self.language_model = Qwen2TextModel(text, self.ops)
+                self.language_model = Qwen3TextModel(text, self.head_dim, self.ops) \
+                    if self.qwen3 else Qwen2TextModel(text, self.ops)
                 if not self.tie_word_embeddings:
                     self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.to(dtype=dtype)
         self.to_empty(device=device)
         self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,
                                                                device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.qwen3:
+            return super().forward(input_ids, positions, inputs_embeds)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        axis = torch.zeros(self.head_dim // 2, dtype=torch.long, device=positions.device)
+        rope = interleaved_rope_plan(positions, self.cos_sin_cache, axis)  # every freq: row 0
+        return self.language_model(x, rope, None)
 
     @property
     def spatial_merge_size(self) -> int:

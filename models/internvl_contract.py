@@ -21,6 +21,11 @@ class InternVLContract(ModelContract):
     supports_tensor_parallel = False
     placeholder_tokens = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
 
+    def head_dim(self, text: Any) -> int:
+        if text.model_type == "qwen3":  # Qwen3 states its own head_dim
+            return int(text.head_dim)
+        return text.hidden_size // text.num_attention_heads
+
     def spatial_merge_size(self, hf: Any) -> int:
         return round(1 / hf.downsample_ratio)
 
@@ -29,9 +34,9 @@ class InternVLContract(ModelContract):
             raise ValueError(f"InternVL vision_feature_layer {hf.vision_feature_layer} is not "
                              "supported (only -1, the last layer)")
         text = self.text_config(hf)
-        if text.model_type != "qwen2":
-            raise ValueError(f"InternVL with a {text.model_type!r} decoder is not supported yet "
-                             "(only qwen2)")
+        if text.model_type not in ("qwen2", "qwen3"):
+            raise ValueError(f"InternVL with a {text.model_type!r} decoder is not supported "
+                             "(only qwen2 and qwen3)")
         r = round(1 / hf.downsample_ratio)
         if abs(r * hf.downsample_ratio - 1) > 1e-6:
             raise ValueError(f"downsample_ratio {hf.downsample_ratio} must be 1 / an integer")

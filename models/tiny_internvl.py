@@ -37,8 +37,10 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                        vision_layers: int = 2, vision_hidden: int = 32, vision_heads: int = 2,
                        tile: int = 56, max_patches: int = 4, vocab_size: int = 1024,
                        model_vocab_size: int | None = None, init_std: float | None = None,
-                       max_position_embeddings: int = 8192, **_ignored: Any) -> str:
-    """Write the checkpoint to ``out_dir``; returns it."""
+                       max_position_embeddings: int = 8192, text_arch: str = "qwen2",
+                       **_ignored: Any) -> str:
+    """Write the checkpoint to ``out_dir``; returns it. ``text_arch="qwen3"``: InternVL3.5's
+    decoder (q/k norm; head_dim twice hidden / heads, so the config's value is the one used)."""
     import torch
     import transformers
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
@@ -50,7 +52,7 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     tok = _train_tokenizer(vocab_size, SPECIALS, TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     std = init_std if init_std is not None else 0.15
-    text = dict(model_type="qwen2", vocab_size=max(model_vocab_size or 0, len(tok)),
+    text = dict(model_type=text_arch, vocab_size=max(model_vocab_size or 0, len(tok)),
                 hidden_size=hidden_size, num_hidden_layers=num_layers,
                 intermediate_size=hidden_size * 3, num_attention_heads=num_heads,
                 num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
@@ -58,6 +60,8 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                 initializer_range=std, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                 tie_word_embeddings=False)
+    if text_arch == "qwen3":
+        text["head_dim"] = 2 * hidden_size // num_heads
     vision = dict(hidden_size=vision_hidden, num_hidden_layers=vision_layers,
                   num_attention_heads=vision_heads, intermediate_size=vision_hidden * 2,
                   image_size=[tile, tile], patch_size=[14, 14], initializer_range=std)

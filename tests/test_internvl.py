@@ -201,3 +201,26 @@ def test_a_config_the_contract_cannot_serve_fails_at_start(tiny, tmp_path):
     with pytest.raises(ValueError) as e:
         LLM(bad, **KNOBS)
     assert "vision_feature_layer" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory) -> str:
+    from triptych.models.tiny_internvl import make_tiny_internvl
+
+    return make_tiny_internvl(str(tmp_path_factory.mktemp("tiny") / "internvl3_5"),
+                              text_arch="qwen3")
+
+
+def test_qwen3_decoder_equals_hf(tiny3):
+    """InternVL3.5's decoder (Qwen3: q/k norm, head_dim twice hidden / heads) with 1-D
+    RoPE: text only and two images of different tile counts."""
+    hf = load_hf_model(tiny3)
+    no_eos(hf)
+    engine = LLM(tiny3, **KNOBS)
+    try:
+        assert engine.engine.core.shape.head_dim == hf.config.text_config.head_dim == 32
+        for conv in (TEXT, TWO):
+            (out,) = engine.chat(conv, GREEDY, use_tqdm=False)
+            expect(engine, hf, conv, out)
+    finally:
+        engine.close()
