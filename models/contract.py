@@ -50,6 +50,7 @@ class ModelContract:
     modalities: tuple[str, ...] = ("image", "video")  # what the processor may send
     supports_tensor_parallel = True
     supports_encoder_data_parallel = True  # the tower encodes any subset of items alone
+    shards_vision_weights = True  # False: the tower stays whole on every rank under TP
 
     # -- what the engine derives from the config ------------------------------------------
     def text_config(self, hf: Any) -> Any:

@@ -75,8 +75,8 @@ class InternVLVision(nn.Module):
 
 
 class InternVLForCausalLM(Qwen2VLForCausalLM):
-    """InternVL (Qwen2 or Qwen3 decoder) on flat token batches. No TP plan yet (the contract
-    refuses tensor_parallel_size > 1)."""
+    """InternVL (Qwen2 or Qwen3 decoder) on flat token batches. With ``tp`` the language
+    model is sharded (models/tp_plan.py, the Qwen plan); the tower stays whole."""
 
     supports_encoder_data_parallel = True  # tiles never attend across items
 
@@ -109,6 +109,12 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
                     if self.qwen3 else Qwen2TextModel(text, self.ops)
                 if not self.tie_word_embeddings:
                     self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        if tp is not None and tp.size > 1:
+            if parts != "all":
+                raise ValueError("a tensor-parallel group loads every part of the model")
+            from triptych.models.tp_plan import shard_qwen2_vl
+
+            shard_qwen2_vl(self, tp, shard_vision=False)
         self.to(dtype=dtype)
         self.to_empty(device=device)
         self.register_buffer("cos_sin_cache", self._rope_cache(text.max_position_embeddings,

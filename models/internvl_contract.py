@@ -4,7 +4,8 @@ What differs from the Qwen defaults: 1-D positions (the same id on all three row
 0); an image is its tiles, wrapped as ``<img>`` + ``<IMG_CONTEXT>`` x N + ``</img>`` (the
 template writes one ``<IMG_CONTEXT>``, the processor glue expands it and adds the
 wrappers); the image processor is GotOcr2's (dynamic crops + thumbnail), whose tiling
-settings go into every image's key. Images only; no TP plan yet.
+settings go into every image's key. Images only; under TP only the language model is
+sharded.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ class InternVLContract(ModelContract):
     architectures = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
     modalities = ("image",)
-    supports_tensor_parallel = False
+    # TP shards the language model; the tower (HF's InternViT module) stays whole on every
+    # rank: in "weights" mode each rank encodes every image, in "data" mode its share
+    shards_vision_weights = False
     placeholder_tokens = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
 
     def head_dim(self, text: Any) -> int:

@@ -51,8 +51,10 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     os.makedirs(out_dir, exist_ok=True)
     tok = _train_tokenizer(vocab_size, SPECIALS, TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    # the model's vocab is padded to a multiple of 64 (as real checkpoints pad theirs), so
+    # tensor_parallel_size 2 / 4 divides it
     std = init_std if init_std is not None else 0.15
-    text = dict(model_type=text_arch, vocab_size=max(model_vocab_size or 0, len(tok)),
+    text = dict(model_type=text_arch, vocab_size=max(model_vocab_size or 0, -(-len(tok) // 64) * 64),
                 hidden_size=hidden_size, num_hidden_layers=num_layers,
                 intermediate_size=hidden_size * 3, num_attention_heads=num_heads,
                 num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
