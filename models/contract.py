@@ -105,6 +105,11 @@ class ModelContract:
         out = ip(images=[img], return_tensors="pt")
         return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
 
+    def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
+        """HF's own class's media kwargs for these items (the oracle, the bench peer), or
+        None for Qwen-VL's form (pixel_values + grids + mm_token_type_ids)."""
+        return None
+
     # -- the module -------------------------------------------------------------------------
     def model_class(self) -> type:
         raise NotImplementedError

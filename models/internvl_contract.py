@@ -71,6 +71,15 @@ class InternVLContract(ModelContract):
         g = tiles.shape[-1] // p
         return patchify(tiles, p), (int(tiles.shape[0]), g, g)
 
+    def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
+        from triptych.models.internvl import unpatchify
+
+        if not items:
+            return {}
+        patch = round((items[0].pixel_values.shape[1] // 3) ** 0.5)
+        return {"pixel_values": torch.cat([unpatchify(it.pixel_values, it.grid_thw[0],
+                                                      it.grid_thw[1], patch) for it in items])}
+
     def model_class(self) -> type:
         from triptych.models.internvl import InternVLForCausalLM
 

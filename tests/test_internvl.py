@@ -87,6 +87,15 @@ def test_greedy_equals_hf(llm, oracle, conv):
     expect(llm, oracle, conv, out)
 
 
+def test_the_shared_oracle_builds_internvl_inputs(llm, oracle):
+    """models/hf_oracle (the bench's HF peer too) gives HF's class its tiles."""
+    from triptych.models.hf_oracle import hf_greedy
+
+    p = llm.processor.process_chat(TWO)
+    assert hf_greedy(oracle, p, MAX_TOKENS, llm.get_tokenizer().pad_token_id)[0] == \
+        hf_ids(oracle, p)
+
+
 def test_images_change_the_output(llm):
     a = llm.chat(chat("Describe.", image(11, 64, 64)), GREEDY, use_tqdm=False)[0]
     b = llm.chat(chat("Describe.", image(12, 64, 64)), GREEDY, use_tqdm=False)[0]
