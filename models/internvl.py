@@ -95,8 +95,8 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
         self.qwen3 = text.model_type == "qwen3"
         self.head_dim = int(text.head_dim) if self.qwen3 else text_head_dim(text)
         self.mrope_section = [self.head_dim // 2, 0, 0]  # 1-D: every frequency reads row 0
-        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) or
-                                        getattr(config, "tie_word_embeddings", False))
+        # NOTE: HF ties by the top-level flag (the text config's is not read)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.pack_head = False
         self._head_gemm: Any = None
         v = config.vision_config

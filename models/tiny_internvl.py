@@ -71,7 +71,7 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
         text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
         downsample_ratio=0.5, image_seq_length=(tile // 14) ** 2 // 4,
         projector_hidden_act="gelu", vision_feature_layer=-1,
-        vision_feature_select_strategy="default")
+        vision_feature_select_strategy="default", tie_word_embeddings=False)
     cfg.architectures = ["InternVLForConditionalGeneration"]
     torch.manual_seed(seed)
     model = transformers.InternVLForConditionalGeneration(cfg).eval()
