@@ -16,6 +16,8 @@ below), its module, its tiny-checkpoint builder and its parity tests, plus one l
     modalities, check(hf): one-line refusals       load_weights(named tensors) -> loaded
     build(...): the module (TP plan applied)       shard_table(), spatial_merge_size
     make_tiny(arch, out_dir, ...)
+    processor glue: image_hash_kwargs, preprocess_image, spatial_merge_size, span_wrappers,
+        placeholder_tokens; hf_media_inputs (the HF oracle's kwargs)
 
 The encoder payload is ONE 2-D tensor per item, ``[rows, payload_width]``: the embedding
 columns first, then whatever else the language model consumes per placeholder row (e.g.
