@@ -1,13 +1,13 @@
 """InputProcessor (P0): prompts and OpenAI-style messages -> token ids + MMItems.
 
-Chat template -> token ids; each `<|image_pad|>` / `<|video_pad|>` placeholder is expanded
-to t*h*w/merge**2 tokens (one per vision embedding row), exactly as HF's Qwen2VLProcessor
-expands them; items get their placeholder offset, pixel values and a content hash.
-Placeholders are built here and only here: client text may not carry them, and the engine
-re-validates what it receives (engine/validate.py).
+Chat template -> token ids; each image/video placeholder the template wrote is expanded to
+t*h*w/merge**2 tokens (one per encoder payload row), wrapped as the model contract says
+(InternVL: <img> ... </img>); items get their placeholder offset, pixel values and a
+content hash. Placeholders are built here and only here: client text may not carry them,
+and the engine re-validates what it receives (engine/validate.py).
 
-Images go through HF's PIL image processor; videos through api/media/video.py (HF's video
-processor needs torchvision, see models/tiny.py).
+Images go through HF's PIL image processor via the contract; videos through
+api/media/video.py (HF's video processor needs torchvision, see models/tiny.py).
 """
 from __future__ import annotations
 
@@ -33,13 +33,12 @@ from triptych.api.media.decode import (
 )
 from triptych.api.media.video import preprocess_video
 from triptych.api.sampling_checks import context_message
+from triptych.api.template_parts import template_messages
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import media_key
 from triptych.mmcache.index import ItemMeta, ProcessorCacheIndex
 from triptych.router.prompt import ProcessedPrompt
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
-                 "<|video_pad|>")
 _MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses more; say so before it does
 
 
@@ -96,11 +95,15 @@ class InputProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(
             model_dir, local_files_only=True, backend="pil")
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.image_token_id, self.video_token_id = cfg.image_token_id, cfg.video_token_id
+        self.image_token_id = cfg.image_token_id
+        self.video_token_id = getattr(cfg, "video_token_id", None)
         from triptych.models.contract import contract_for
 
-        self.modalities = contract_for(cfg).modalities  # what the model contract takes
-        self.merge = self.image_processor.merge_size
+        self.hf_config = cfg
+        self.contract = contract = contract_for(cfg)
+        self.modalities = contract.modalities  # what the model contract takes
+        self.merge = contract.spatial_merge_size(cfg)
+        self.wrappers = contract.span_wrappers(self.tokenizer)  # ids around each span
         self.limits = dict(limit_mm_per_prompt or {"image": 8, "video": 1})
         self.media = media_limits or MediaLimits()
         self.max_model_len = max_model_len
@@ -112,17 +115,17 @@ class InputProcessor:
         self.video_min_pixels = vcfg.get("min_pixels", 128 * 28 * 28)
         self.video_max_pixels = vcfg.get("max_pixels", 768 * 28 * 28)
         ip = self.image_processor
-        # Everything that changes the processor's output goes into the content hash.
-        common = {"class": type(ip).__name__, "patch": ip.patch_size, "merge": ip.merge_size,
-                  "tps": ip.temporal_patch_size, "mean": list(ip.image_mean),
-                  "std": list(ip.image_std), "rescale": ip.rescale_factor,
-                  "resample": int(ip.resample),
-                  **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
-                                                       "do_normalize", "do_convert_rgb")}}
-        self.image_hash_kwargs = {**common, "size": dict(ip.size)}
-        self.video_hash_kwargs = {**common, "pixels": [self.video_min_pixels, self.video_max_pixels]}
-
-        self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        # Everything that changes the processor's output goes into the content hash (the
+        # contract names the settings: tiling models add their crop settings).
+        self.image_hash_kwargs = contract.image_hash_kwargs(ip)
+        self.video_hash_kwargs: dict[str, Any] = {}
+        if "video" in self.modalities:
+            common = {k: v for k, v in self.image_hash_kwargs.items() if k != "size"}
+            self.video_hash_kwargs = {**common,
+                                      "pixels": [self.video_min_pixels, self.video_max_pixels]}
+        self.placeholder_tokens = contract.placeholder_tokens
+        self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t)
+                                  for t in self.placeholder_tokens}
         self.cache = cache
         # NOTE: one counters object, shared with the per-request views of for_request (a
         # shallow copy): counts made through a view land here.
@@ -177,7 +180,7 @@ class InputProcessor:
                 fields += [f"messages.{i}.content.{j}.{part['type']}"] * len(found)
         self._check_limits([k for k, _, _ in media])
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return self._build(text, media, fields=fields)
 
@@ -246,9 +249,9 @@ class InputProcessor:
         if not isinstance(text, str):
             raise ValueError("text content must be a string")
         # NOTE: a client's text must not smuggle placeholders in: only media parts make them.
-        if any(t in text for t in VISION_TOKENS):
-            raise ValueError("message text may not contain vision placeholder tokens "
-                             "(<|image_pad|>, <|video_pad|>, <|vision_start|>, ...); "
+        if any(t in text for t in self.placeholder_tokens):
+            raise ValueError(f"message text may not contain vision placeholder tokens "
+                             f"({', '.join(self.placeholder_tokens)}); "
                              "send images and videos as content parts")
 
     def _check_limits(self, kinds: list[str]) -> None:
@@ -327,9 +330,8 @@ class InputProcessor:
             w, h = img.size
             if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
                 raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
-            out = ip(images=[img], return_tensors="pt")
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            return MMItem("image", key, 0, 0, grid, out["pixel_values"])
+            pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config)
+            return MMItem("image", key, 0, 0, grid, pixels)
         frames, fps = decode_video(payload, self.media) if isinstance(payload, bytes) \
             else payload
         h, w = frames.shape[1:3]
@@ -425,11 +427,11 @@ class InputProcessor:
                 if fields and e.param is None:
                     e.param = fields[n]
                 raise
-            out_ids += ids[prev:pos]
+            out_ids += ids[prev:pos] + self.wrappers[0]
             item.offset, item.length = len(out_ids), self._length(item.grid_thw)
             items.append(item)
             sources.append(source)
-            out_ids += [ids[pos]] * item.length
+            out_ids += [ids[pos]] * item.length + self.wrappers[1]
             prev = pos + 1
         out_ids += ids[prev:]
         return self._finish(ProcessedPrompt(out_ids, items, text, sources))

@@ -227,7 +227,7 @@ class _HF:
         self.batch_size, self.hf_inputs = batch_size, hf_inputs
         self.gen = {"max_new_tokens": output_len, "do_sample": False, "pad_token_id": self.pad}
         with torch.inference_mode():
-            self.model.generate(**hf_inputs(warm, self.pad), **{**self.gen, "max_new_tokens": 2})
+            self.model.generate(**hf_inputs(warm, self.pad, self.model.config), **{**self.gen, "max_new_tokens": 2})
 
     def run(self, processed: list[Any]) -> float:
         """Output tokens per second over all of ``processed``."""
@@ -238,7 +238,7 @@ class _HF:
             n_out = 0
             for i in range(0, len(processed), self.batch_size):
                 chunk = processed[i:i + self.batch_size]
-                inp = self.hf_inputs(chunk, self.pad)
+                inp = self.hf_inputs(chunk, self.pad, self.model.config)
                 out = self.model.generate(**inp, **self.gen)
                 n_out += (out.shape[1] - inp["input_ids"].shape[1]) * len(chunk)
         return n_out / (time.perf_counter() - t0)

@@ -43,10 +43,10 @@ class ModelShape:
             num_kv_heads=text.num_key_value_heads,
             head_dim=contract.head_dim(text),
             max_position_embeddings=text.max_position_embeddings,
-            spatial_merge_size=vision.spatial_merge_size,
+            spatial_merge_size=contract.spatial_merge_size(hf),
             tokens_per_second=getattr(vision, "tokens_per_second", None),
             image_token_id=hf.image_token_id,
-            video_token_id=hf.video_token_id,
+            video_token_id=getattr(hf, "video_token_id", None) or -1,  # -1: none
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
             payload_width=contract.payload_width(hf),

@@ -37,6 +37,13 @@ def read_piece(ckpt_name: str, tensor: Any, sh: Shard, want: tuple[int, ...]) ->
 _PREFIXES = (
     ("model.language_model.", "language_model."),
     ("model.visual.", "visual."),
+    # InternVL-HF: its hub files keep the legacy layout (transformers 5 saves it too)
+    ("model.vision_tower.", "visual.vision_tower."),
+    ("model.multi_modal_projector.", "visual.multi_modal_projector."),
+    ("vision_tower.", "visual.vision_tower."),
+    ("multi_modal_projector.", "visual.multi_modal_projector."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "lm_head."),
     ("visual.", "visual."),
     ("model.", "language_model."),
     ("lm_head.", "lm_head."),

@@ -16,6 +16,8 @@ below), its module, its tiny-checkpoint builder and its parity tests, plus one l
     modalities, check(hf): one-line refusals       load_weights(named tensors) -> loaded
     build(...): the module (TP plan applied)       shard_table(), spatial_merge_size
     make_tiny(arch, out_dir, ...)
+    processor glue: image_hash_kwargs, preprocess_image, spatial_merge_size, span_wrappers,
+        placeholder_tokens; hf_media_inputs (the HF oracle's kwargs)
 
 The encoder payload is ONE 2-D tensor per item, ``[rows, payload_width]``: the embedding
 columns first, then whatever else the language model consumes per placeholder row (e.g.
@@ -37,6 +39,7 @@ _CONTRACTS: dict[str, tuple[str, str]] = {
     "qwen2_5_vl": ("triptych.models.qwen2_vl_contract", "Qwen2VLContract"),
     "qwen3_vl": ("triptych.models.qwen3_vl_contract", "Qwen3VLContract"),
     "qwen3_vl_moe": ("triptych.models.qwen3_vl_contract", "Qwen3VLMoeContract"),
+    "internvl": ("triptych.models.internvl_contract", "InternVLContract"),
 }
 
 
@@ -49,6 +52,7 @@ class ModelContract:
     modalities: tuple[str, ...] = ("image", "video")  # what the processor may send
     supports_tensor_parallel = True
     supports_encoder_data_parallel = True  # the tower encodes any subset of items alone
+    shards_vision_weights = True  # False: the tower stays whole on every rank under TP
 
     # -- what the engine derives from the config ------------------------------------------
     def text_config(self, hf: Any) -> Any:
@@ -73,6 +77,40 @@ class ModelContract:
         vision = hf.vision_config
         return compute_mrope_positions(num_tokens, items, vision.spatial_merge_size,
                                        getattr(vision, "tokens_per_second", None))
+
+    # -- the processor glue (api/processor.py) --------------------------------------------
+    # placeholder-ish tokens a client's text may not carry
+    placeholder_tokens: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>",
+                                           "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+    def spatial_merge_size(self, hf: Any) -> int:
+        """Patches per placeholder row along each axis (rows = t * h * w / merge**2)."""
+        return hf.vision_config.spatial_merge_size
+
+    def span_wrappers(self, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """Token ids the processor puts before / after each expanded placeholder span
+        (Qwen's template writes its own vision_start / vision_end: none)."""
+        return [], []
+
+    def image_hash_kwargs(self, ip: Any) -> dict[str, Any]:
+        """Every image-processor setting that changes an image's pixels (its cache key)."""
+        return {"class": type(ip).__name__, "patch": ip.patch_size, "merge": ip.merge_size,
+                "tps": ip.temporal_patch_size, "mean": list(ip.image_mean),
+                "std": list(ip.image_std), "rescale": ip.rescale_factor,
+                "resample": int(ip.resample), "size": dict(ip.size),
+                **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
+                                                     "do_normalize", "do_convert_rgb")}}
+
+    def preprocess_image(self, ip: Any, img: Any, hf: Any
+                         ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """One RGB image -> (flat patches [t*h*w, ...], grid (t, h, w))."""
+        out = ip(images=[img], return_tensors="pt")
+        return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
+
+    def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
+        """HF's own class's media kwargs for these items (the oracle, the bench peer), or
+        None for Qwen-VL's form (pixel_values + grids + mm_token_type_ids)."""
+        return None
 
     # -- the module -------------------------------------------------------------------------
     def model_class(self) -> type:

@@ -27,8 +27,11 @@ def no_eos(model: Any) -> None:
     model.generation_config.eos_token_id = None
 
 
-def hf_inputs(prompts: list[Any], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Left-padded batch of processed prompts (``.prompt_token_ids``, ``.mm_items``)."""
+def hf_inputs(prompts: list[Any], pad_token_id: int, hf_config: Any = None
+              ) -> dict[str, torch.Tensor]:
+    """Left-padded batch of processed prompts (``.prompt_token_ids``, ``.mm_items``); the
+    media kwargs in the form the checkpoint's HF class takes (its contract's, when
+    ``hf_config`` is given; Qwen-VL's otherwise)."""
     L = max(len(p.prompt_token_ids) for p in prompts)
     ids = torch.full((len(prompts), L), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
@@ -41,6 +44,13 @@ def hf_inputs(prompts: list[Any], pad_token_id: int) -> dict[str, torch.Tensor]:
             types[i, pad + it.offset:pad + it.end] = 1 if it.modality == "image" else 2
     out: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=types)
     items = [it for p in prompts for it in p.mm_items]
+    if hf_config is not None:
+        from triptych.models.contract import contract_for
+
+        media = contract_for(hf_config).hf_media_inputs(items)
+        if media is not None:  # the class takes no token types
+            del out["mm_token_type_ids"]
+            return {**out, **media}
     imgs = [it for it in items if it.modality == "image"]
     vids = [it for it in items if it.modality == "video"]
     if imgs:
@@ -58,7 +68,7 @@ def hf_inputs(prompts: list[Any], pad_token_id: int) -> dict[str, torch.Tensor]:
 def hf_greedy(model: Any, prompt: Any, max_new_tokens: int, pad_token_id: int = 0,
               top_logprobs: int = 5) -> tuple[list[int], list[dict[int, float]]]:
     """Greedy tokens of one prompt (EOS ignored) and the top logprobs at each step."""
-    inp = hf_inputs([prompt], pad_token_id)
+    inp = hf_inputs([prompt], pad_token_id, model.config)
     no_eos(model)
     out = model.generate(**inp, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=pad_token_id)

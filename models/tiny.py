@@ -55,7 +55,10 @@ Une phrase en français, eine deutsche Zeile, una frase en español, 日本語�
 """
 
 
-def _train_tokenizer(vocab_size: int) -> Any:
+def _train_tokenizer(vocab_size: int, specials: list[str] | None = None,
+                     template: str = CHAT_TEMPLATE) -> Any:
+    """A byte-level BPE trained on the corpus above, plus ``specials`` (default: the
+    Qwen vision tokens) as added special tokens, with ``template`` as its chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,11 +70,12 @@ def _train_tokenizer(vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tk.train_from_iterator(lines * 4, trainer)
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in specials or SPECIAL_TOKENS])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None,
                                   model_max_length=32768)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = template
     return tok
 
 
@@ -87,7 +91,7 @@ def save_tokenizer_files(tok: Any, out_dir: str) -> None:
     """The trained tokenizer and its chat template, as a real checkpoint ships them."""
     tok.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "chat_template.json"), "w") as f:
-        json.dump({"chat_template": CHAT_TEMPLATE}, f, indent=2)
+        json.dump({"chat_template": tok.chat_template}, f, indent=2)
 
 
 def make_tiny_qwen2_vl(arch: str, out_dir: str, *, seed: int = 0, hidden_size: int = 64,

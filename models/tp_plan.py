@@ -73,7 +73,8 @@ def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
     if size > 1 and not contract_for(hf).supports_tensor_parallel:
         raise ValueError(f"{hf.model_type} has no tensor-parallel plan yet: use "
                          "tensor_parallel_size=1")
-    cons = _constraints(hf, shard_vision=encoder_mode == "weights")
+    shard_vision = encoder_mode == "weights" and contract_for(hf).shards_vision_weights
+    cons = _constraints(hf, shard_vision=shard_vision)
     bad = [f"{name}={n}" for name, n, rep in cons if not _fits(size, n, rep)]
     if not bad:
         return
