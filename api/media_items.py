@@ -1,0 +1,204 @@
+"""How one multimodal item of a prompt gets its key, its metadata and its pixels (P0).
+
+``MediaItems`` is the media half of ``InputProcessor`` (api/processor.py): key an item
+(``mmcache.hashing.media_key``), take its metadata from the processor cache on a hit, else
+decode it and run the model's HF preprocessing; and, for an item that left without pixels,
+produce them again from its ``MediaSource`` under the very settings its key was made with.
+It reads the attributes ``InputProcessor.__init__`` sets (``media``, ``cache``, ``counts``,
+``scope``, ``contract``, ``image_processor``, ``hf_config``, ``merge``, the video pixel
+bounds) and its ``_hash_kwargs`` / ``for_request``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from triptych.api.media.decode import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    decode_video,
+    load_image,
+    load_video,
+    read_media_bytes,
+)
+from triptych.api.media.video import preprocess_video
+from triptych.engine.request import MMItem
+from triptych.mmcache.hashing import media_key
+from triptych.mmcache.index import ItemMeta
+from triptych.router.prompt import ProcessedPrompt
+
+_MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses more; say so before it does
+
+
+# What an item can be made from again: a URL not fetched yet, encoded bytes, an RGB image,
+# sampled frames with their rate, or nothing (a uuid the server held, sent without data).
+Payload = str | bytes | Image.Image | tuple[np.ndarray, float] | None
+
+
+@dataclass
+class MediaSource:
+    """Where one item came from. Kept on P0 until the item is dispatched, so its pixels can
+    be produced again (``InputProcessor.load_pixels``) when the processor cache skipped them
+    and the worker chosen for the request turns out not to hold them."""
+
+    modality: str  # "image" | "video"
+    payload: Payload
+    uuid: str | None = None  # the client's uuid, if it named the item
+    # dtype/shape (and so nbytes) of the item's pixels, known even when they were skipped:
+    # the processor cache plans by size and a ref's wire entry describes the tensor.
+    meta: ItemMeta | None = None
+    # NOTE: the media limits the item's key was made under (the request's lowered video
+    # caps; no pixel budget): load_pixels must re-make exactly the pixels the key names,
+    # not the server's defaults.
+    media: MediaLimits | None = None
+
+
+@dataclass
+class _Counts:
+    queries: int = 0  # items looked up in the processor cache (every item)
+    hits: int = 0  # of which the index held: no decode, no HF processor
+    processed: int = 0  # items run through decode + HF processor
+    lock: threading.Lock = field(default_factory=threading.Lock)  # prompts are processed
+    # in a thread pool
+
+
+class MediaItems:
+    """The media half of InputProcessor: keys, processor-cache lookups, preprocessing."""
+
+    media: MediaLimits
+    counts: _Counts
+
+    # -- media ----------------------------------------------------------------------------
+    def _load(self, kind: str, src: Any, uuid: str | None) -> tuple[MMItem, MediaSource]:
+        """Key one item, then either take its metadata from the processor cache or decode +
+        preprocess it; offset/length are filled in by _build."""
+        kwargs = self._hash_kwargs(kind)
+        media = dataclasses.replace(self.media, budget=None)
+        key = None
+        if uuid is not None:
+            # A uuid names the content: on a hit nothing is fetched or decoded (a URL is
+            # kept unfetched for load_pixels).
+            key = media_key(kind, kwargs, uuid=uuid, scope=self.scope)
+            meta = self._lookup(key)
+            if meta is not None:
+                payload = src if src is None or isinstance(src, str) else self._payload(kind, src)
+                return self._from_meta(key, meta), MediaSource(kind, payload, uuid, meta, media)
+            if src is None:
+                # NOTE: the same words whether nobody sent it or another tenant did (its key
+                # differs): a uuid cannot be probed across tenants.
+                raise ValueError(f"unknown {kind} uuid {uuid!r}: the server does not hold it; "
+                                 f"send the {kind} with it")
+        payload = self._payload(kind, src)
+        if key is None:
+            key = media_key(kind, kwargs, payload=payload)
+            meta = self._lookup(key)
+            if meta is not None:
+                return self._from_meta(key, meta), MediaSource(kind, payload, None, meta, media)
+        item = self._process(kind, key, payload)
+        meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
+                           item.second_per_grid_t)
+        if self.cache is not None:
+            self.cache.put(key, meta)
+        return item, MediaSource(kind, payload, uuid, meta, media)
+
+    def _payload(self, kind: str, src: Any) -> Payload:
+        """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
+        if isinstance(src, str):
+            cap = self.media.max_image_bytes if kind == "image" else self.media.max_video_bytes
+            return read_media_bytes(src, self.media, cap)
+        if kind == "image":
+            return load_image(src, self.media)  # PIL: checked and converted to RGB
+        return load_video(src, self.media)  # frame array: checked and sampled
+
+    def _lookup(self, key: str) -> ItemMeta | None:
+        meta = self.cache.lookup(key) if self.cache is not None else None
+        with self.counts.lock:
+            self.counts.queries += 1
+            self.counts.hits += meta is not None
+        return meta
+
+    def _from_meta(self, key: str, meta: ItemMeta) -> MMItem:
+        return MMItem(meta.modality, key, 0, 0, meta.grid_thw, None, meta.second_per_grid_t)
+
+    def _length(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.merge ** 2
+
+    def _process(self, kind: str, key: str, payload: Payload) -> MMItem:
+        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips."""
+        ip = self.image_processor
+        with self.counts.lock:
+            self.counts.processed += 1
+        if kind == "image":
+            img = decode_image(payload, self.media) if isinstance(payload, bytes) else payload
+            w, h = img.size
+            if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
+                raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
+            pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config)
+            return MMItem("image", key, 0, 0, grid, pixels)
+        frames, fps = decode_video(payload, self.media) if isinstance(payload, bytes) \
+            else payload
+        h, w = frames.shape[1:3]
+        if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
+            raise MediaError(f"video is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
+        pv, grid = preprocess_video(frames, ip, min_pixels=self.video_min_pixels,
+                                    max_pixels=self.video_max_pixels)
+        return MMItem("video", key, 0, 0, grid, torch.from_numpy(pv),
+                      ip.temporal_patch_size / fps)
+
+    # -- processor cache ------------------------------------------------------------------
+    def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor:
+        """Give an item that left without pixels (a processor-cache hit) its pixels again:
+        the router calls this when the worker it picked does not hold the item.
+
+        ValueError (a 400) when that is impossible: a uuid sent without data that no longer
+        has pixels anywhere, or a uuid whose data now differs from what it named before.
+        Blocking (it may fetch a URL and runs the HF processor): call it in a worker thread,
+        never under the lock that sends.
+        """
+        if item.pixel_values is not None:
+            return item.pixel_values
+        payload = source.payload
+        if payload is None:
+            raise ValueError(f"the {item.modality} with uuid {source.uuid!r} is no longer "
+                             f"cached; send the {item.modality} with it again")
+        # The settings the key was made under (the request's frame caps), not this
+        # processor's defaults: other caps give another patch grid.
+        view = self if source.media is None else self.for_request(source.media)
+        if isinstance(payload, str):
+            payload = view._payload(item.modality, payload)
+            source.payload = payload  # fetch once
+        fresh = view._process(item.modality, item.mm_hash, payload)
+        if fresh.grid_thw != item.grid_thw or \
+                fresh.second_per_grid_t != item.second_per_grid_t or \
+                (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
+            if self.cache is not None:
+                self.cache.discard(item.mm_hash)
+            if source.uuid is None:  # a content key always gives the same result
+                raise RuntimeError(f"{item.modality} {item.mm_hash[:12]} processed differently "
+                                   "the second time")
+            raise ValueError(f"the {item.modality} with uuid {source.uuid!r} differs from the "
+                             "one sent before under that uuid")
+        item.pixel_values = fresh.pixel_values
+        return item.pixel_values
+
+    def ensure_pixels(self, prompt: ProcessedPrompt) -> None:
+        """``load_pixels`` for every item of ``prompt`` that has none."""
+        for item, source in zip(prompt.mm_items, prompt.mm_sources):
+            self.load_pixels(item, source)
+
+    def stats(self) -> dict[str, float]:
+        """Processor-cache counters of this P0 (the bytes are nominal: pixels the index
+        describes; the tensors themselves live in the workers or the shm ring)."""
+        cache = self.cache
+        return {"mm_processor_cache_queries": float(self.counts.queries),
+                "mm_processor_cache_hits": float(self.counts.hits),
+                "mm_processor_cache_index_bytes": float(cache.num_bytes if cache else 0),
+                "mm_processor_cache_index_entries": float(len(cache) if cache else 0),
+                "mm_items_processed": float(self.counts.processed)}
