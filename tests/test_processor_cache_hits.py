@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-import triptych.api.processor as processor_mod
+import triptych.api.media_items as processor_mod  # where items are decoded and preprocessed
 from triptych.api.media.decode import MediaLimits
 from triptych.api.processor import InputProcessor
 from triptych.mmcache import ProcessorCacheIndex
