@@ -146,8 +146,16 @@ def test_n3_json_object_grammar_and_images(server, client):
         out = chat(client, {"structured_outputs": {"json": SCHEMAS[15]}}, messages=msgs,
                    seed=seed)
         check_json(out.choices[0].message.content, SCHEMAS[15])
-    assert [server.metric(f"triptych:{c}_hits_total") > h for c, h in zip(
-        ("prefix_cache", "mm_processor_cache"), hits)] == [True, True]
+    # NOTE: workers report their counters every 0.25 s: wait for the hits to arrive (a
+    # hang guard, not a speed bound).
+    deadline = time.monotonic() + 60
+    while True:
+        grew = [server.metric(f"triptych:{c}_hits_total") > h for c, h in zip(
+            ("prefix_cache", "mm_processor_cache"), hits)]
+        if grew == [True, True] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grew == [True, True]
     # Stop strings and max_tokens still apply: a cut-off is finish_reason length.
     out = chat(client, {"guided_json": SCHEMAS[14]}, max_tokens=3)
     assert out.choices[0].finish_reason == "length"
