@@ -37,7 +37,7 @@ class EngineConfig:
 
     model: str  # checkpoint directory (HF format: config.json, *.safetensors, tokenizer)
     tokenizer: str | None = None  # tokenizer directory; defaults to the model directory
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, checkpoint dtype on CUDA)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, checkpoint dtype on CUDA). On the CPU (cpu_gemm onednn), bfloat16/float16 store the linear layers' weights and the LM head in 16 bits (half the bytes a decode step reads) while activations, norms and the KV cache stay fp32
     device: str = "auto"  # auto | cpu | cuda (auto: cuda when available)
     seed: int = 0  # seed of the default sampling generator
     max_model_len: int | None = None  # prompt + output tokens per request (default: min(checkpoint max, 8192))
@@ -72,6 +72,7 @@ class EngineConfig:
     attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
     cpu_gemm: str = "onednn"  # fp32 linear layers on the CPU: onednn runs them on weights packed once at load (2-3x faster GEMMs than torch's MKL path, measured on AMD EPYC; each GEMM uses the threads its size pays for) | torch keeps F.linear
+    quantization: str | None = None  # int8: the CPU linear layers' weights and the LM head in 8 bits (per-channel, fbgemm's dynamic int8 GEMM; a quarter of fp32's bytes; quality cost in docs/performance.md); CPU only, needs cpu_gemm onednn
     cpu_threads: int | None = None  # torch CPU threads of each engine process (default: one engine takes OMP_NUM_THREADS or every core; pool workers and replicas split this host's cores)
 
     def __post_init__(self) -> None:
@@ -140,6 +141,11 @@ class EngineConfig:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size!r}")
         if self.cpu_gemm not in ("onednn", "torch"):
             raise ValueError(f"cpu_gemm must be onednn or torch, got {self.cpu_gemm!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 (or unset), got {self.quantization!r}")
+        if self.quantization and self.cpu_gemm != "onednn":
+            raise ValueError("quantization=int8 runs on the packed CPU GEMMs: leave cpu_gemm "
+                             "at onednn")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")

@@ -65,16 +65,25 @@ def add_parser(subparsers: Any) -> None:
                    help="run a CPU-spinning process during the rounds (a noisy neighbour)")
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
+    t.add_argument("--dtype", default="auto", help="triptych --dtype (on the CPU, bfloat16 / "
+                   "float16: 16-bit linear weights; HF stays fp32)")
+    t.add_argument("--quantization", default=None, help="triptych --quantization (int8: 8-bit "
+                   "linear weights on the CPU; HF stays fp32)")
+    from triptych.bench import cpu_decode as bench_cpu_decode
     from triptych.bench import multiturn as bench_multiturn
     from triptych.bench import serve as bench_serve
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
+    bench_cpu_decode.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         from triptych.bench import serve as bench_serve
         return bench_serve.run(args)
+    if args.bench_command == "cpu-decode":
+        from triptych.bench import cpu_decode as bench_cpu_decode
+        return bench_cpu_decode.run(args)
     if args.bench_command == "multiturn":
         from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)
@@ -113,7 +122,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     w = _resolve(args)
     llm = LLM(w["model"], max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, disable_log_stats=True,
-              cpu_threads=threads)
+              cpu_threads=threads, dtype=args.dtype, quantization=args.quantization)
 
     def inputs(r: int) -> list[Any]:  # fresh images per round: no cache helps either side
         images = _images(w["num_requests"], w["image_size"], args.seed + 1000 * (r + 1))

@@ -75,6 +75,25 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> to
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
 
 
+def resolve_cpu_weights(config: EngineConfig, device: torch.device) -> str | None:
+    """The format the CPU linear layers pack their weights in (kernels/cpu_linear.py), or
+    None where the model runs its own dtype through ``F.linear`` (CUDA, cpu_gemm=torch).
+
+    A packed CPU model computes in fp32 whatever its weights hold: ``dtype`` bfloat16 /
+    float16 means 16-bit weights, ``quantization`` int8 8-bit ones."""
+    if device.type != "cpu":
+        if config.quantization:
+            raise ValueError(f"quantization={config.quantization} runs on the CPU only "
+                             "(fbgemm's int8 GEMM): drop it on CUDA")
+        return None
+    if config.cpu_gemm != "onednn":
+        return None
+    if config.quantization:
+        return config.quantization
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+        resolve_dtype(config.dtype, device, None)]
+
+
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
     """The knob, or the checkpoint's positions capped at 8192 (CPU-friendly default)."""
     return config.max_model_len or min(max_position_embeddings, 8192)

@@ -1,31 +1,48 @@
-"""CPU linear layers on weights packed once for oneDNN, each GEMM on the threads it pays for.
+"""CPU linear layers on weights packed once for a library GEMM, each on the threads it pays for.
 
-``pack_linears(model)`` runs after a model is loaded on the CPU in fp32 (``cpu_gemm="onednn"``,
-the default): every ``nn.Linear`` of the model (fused q|k|v and gate|up included) keeps
-its weight in oneDNN's blocked layout, reordered once, and runs through oneDNN with dense
-inputs and outputs. The LM head packs its own copy (``CpuGemm`` in ``compute_logits``).
+``pack_linears(model, fmt)`` runs after a model is loaded on the CPU in fp32: every
+``nn.Linear`` of the model (fused q|k|v and gate|up included) keeps its weight packed in
+the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
+``engine/model_shape.resolve_cpu_weights``); activations stay fp32 around every GEMM:
 
-Why (docs/performance.md, 2-core AMD EPYC with AVX-512, torch 2.13 CPU wheel):
-- torch's CPU ``F.linear`` is MKL sgemm, which on this AMD host ran at 30-90 GFLOP/s on
-  the shapes of a decode step; oneDNN on a packed weight ran the same GEMMs 2-3x faster
-  (e.g. 32x256 @ 256x1376: 260 -> 120 us; a 152k-row LM head at M=64: 98 -> 38 ms) and a
-  3,200-token prefill GEMM 2.3x faster.
-- Waking an idle OpenMP thread costs ~100 us on this VM under the passive wait policy
-  (worker/threads.py), more than a small GEMM's whole run on one core. So each call picks
-  its thread count from its size: one thread per ``min_flops_per_thread`` of work, at most
-  the process's threads. With a spinning wait policy (the user set OMP_WAIT_POLICY=ACTIVE
-  or GOMP_SPINCOUNT) wake-ups are cheap and the bar is much lower.
+  fmt       weight bytes  kernel (a maintained library's, through torch)
+  float32   4             oneDNN inner product on a weight reordered to its blocked layout
+  bfloat16  2             oneDNN bf16 inner product (x rounded to bf16, fp32 accumulation,
+                          bf16 out, widened back to fp32)
+  float16   2             fbgemm ``linear_dynamic_fp16``: fp32 x, the fp16 weight widened
+                          in the inner loop, fp32 accumulation and out
+  int8      1             fbgemm ``linear_dynamic``: weight int8 per output channel
+                          (symmetric), x quantized per call to uint8 (per tensor), int32
+                          accumulation, fp32 out
+
+No fp32 copy of a 16- or 8-bit weight is ever made. The LM head packs its own copy
+(``CpuGemm`` in ``compute_logits``); the embedding keeps its fp32 rows for lookups.
+
+Why (docs/performance.md, 2-core AMD EPYC, torch 2.13 CPU wheel):
+- torch's CPU ``F.linear`` is MKL sgemm, 2-3x slower than oneDNN on a packed weight on
+  this host for the decode step's shapes; a batch-1 decode step is bound by reading the
+  weights (411 MB fp32 for the bench LM, 311 MB of it the LM head), so 2- and 1-byte
+  weights cut the step by about the ratio of bytes.
+- Threads: waking an idle OpenMP thread costs ~100 us under the passive wait policy
+  (worker/threads.py), more than a small GEMM's whole run on one core. Each call takes one
+  thread per ``min_flops`` of work or per ``min_bytes`` of weight read, whichever asks for
+  more, at most the process's threads: a batch-1 GEMV does almost no FLOPs but reading a
+  big weight from memory goes faster on every core. With a spinning wait policy (the user
+  set OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT) wake-ups are cheap and the bars are lower.
   NOTE: torch's thread count is process-wide; the switch is safe because a worker runs
   its model from one thread (nothing else in the process issues torch ops meanwhile).
 
-Outputs differ from ``F.linear`` by float rounding only (another summation order), like
-any change of GEMM library; greedy outputs stay equal to HF in the parity tests.
+fp32 outputs differ from ``F.linear`` by float rounding only (another summation order);
+greedy outputs stay equal to HF in the parity tests. 16-bit and int8 outputs carry the
+weight format's error (tolerances in tests/test_cpu_linear.py, quality in
+docs/performance.md).
 """
 from __future__ import annotations
 
 import logging
 import os
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -34,16 +51,27 @@ from torch import nn
 
 logger = logging.getLogger("triptych.cpu_linear")
 
+FORMATS = ("float32", "bfloat16", "float16", "int8")
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 PACK_HINT_ROWS = 32  # oneDNN picks the blocked layout for about this many rows (any M works)
 MIN_FLOPS_PASSIVE = 24e6  # ~130 us of one core's GEMM: worth a ~100 us thread wake-up
 MIN_FLOPS_SPINNING = 2e6
+MIN_BYTES_PASSIVE = 8 << 20  # weight bytes one more thread must read to pay its wake-up (and a
+# straggler on a shared host: docs/performance.md)
+MIN_BYTES_SPINNING = 1 << 20
 
 
-def available() -> bool:
-    """oneDNN's packed linear is in this torch build (x86 CPU wheels have it)."""
-    return bool(torch.backends.mkldnn.is_available()) and \
-        hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and \
-        hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def available(fmt: str = "float32") -> bool:
+    """The packed kernel of ``fmt`` is in this torch build (x86 CPU wheels have them all)."""
+    if fmt in ("float32", "bfloat16"):
+        return bool(torch.backends.mkldnn.is_available()) and \
+            hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and \
+            hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _spinning(env: Any) -> bool:
+    return env.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE" or "GOMP_SPINCOUNT" in env
 
 
 def min_flops_per_thread(env: Any = None) -> float:
@@ -55,26 +83,80 @@ def min_flops_per_thread(env: Any = None) -> float:
     value = env.get("TRIPTYCH_CPU_GEMM_MIN_FLOPS")
     if value:
         return float(value)
-    passive = env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" and \
-        "GOMP_SPINCOUNT" not in env
-    return MIN_FLOPS_PASSIVE if passive else MIN_FLOPS_SPINNING
+    return MIN_FLOPS_SPINNING if _spinning(env) else MIN_FLOPS_PASSIVE
+
+
+def min_bytes_per_thread(env: Any = None) -> float:
+    """Weight bytes below which one more thread reading them costs more than it saves
+    (``TRIPTYCH_CPU_GEMM_MIN_BYTES`` overrides; else by the wait policy, as above)."""
+    env = os.environ if env is None else env
+    value = env.get("TRIPTYCH_CPU_GEMM_MIN_BYTES")
+    if value:
+        return float(value)
+    return MIN_BYTES_SPINNING if _spinning(env) else MIN_BYTES_PASSIVE
+
+
+def _has_vnni() -> bool:
+    """AVX-512 VNNI / AVX-VNNI: int8 dot products without 16-bit intermediate sums."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """fbgemm's prepacked weight: int8, one symmetric scale per output row."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # NOTE: torch 2.13 marks quantized tensor constructors deprecated; fbgemm's
+        # prepack still takes one (the prepacked result holds no quantized tensor).
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, bias)
 
 
 class CpuGemm:
-    """y = x @ W^T (+ b) with W packed for oneDNN; x [..., K] fp32 on the CPU."""
+    """y = x @ W^T (+ b) with W packed in ``fmt``; x [..., K] fp32 on the CPU, y fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 min_flops: float | None = None) -> None:
+                 fmt: str = "float32", min_flops: float | None = None,
+                 min_bytes: float | None = None) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"CPU weight format must be one of {FORMATS}, got {fmt!r}")
+        if not available(fmt):
+            raise ValueError(f"this torch build has no packed CPU kernel for {fmt} weights "
+                             "(oneDNN for float32/bfloat16, fbgemm for float16/int8)")
+        self.fmt = fmt
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                              PACK_HINT_ROWS)
-        self.bias = None if bias is None else bias.detach().contiguous()
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().float().contiguous()
+        self.bias: torch.Tensor | None = None
+        if fmt == "float32":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_HINT_ROWS)
+            self.bias = b
+        elif fmt == "bfloat16":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_HINT_ROWS)
+            self.bias = None if b is None else b.bfloat16()
+        elif fmt == "float16":
+            self.packed = torch.ops.quantized.linear_prepack_fp16(w.float(), b)
+        else:
+            self.packed = _int8_pack(w, b)
+            # Without VNNI, fbgemm's u8 x s8 pair sums saturate int16: 7-bit activations.
+            self.reduce_range = not _has_vnni()
+        self.weight_bytes = self.out_features * self.in_features * BYTES[fmt]
         self.min_flops = min_flops_per_thread() if min_flops is None else min_flops
+        self.min_bytes = min_bytes_per_thread() if min_bytes is None else min_bytes
 
     def threads(self, rows: int, most: int) -> int:
-        """Threads for a GEMM of ``rows`` rows: one per ``min_flops`` of work, 1..most."""
+        """Threads for a GEMM of ``rows`` rows: one per ``min_flops`` of work or per
+        ``min_bytes`` of weight to read, whichever is more, 1..most."""
         flops = 2.0 * rows * self.in_features * self.out_features
-        return max(1, min(most, int(flops // self.min_flops)))
+        want = max(flops // self.min_flops, self.weight_bytes // self.min_bytes)
+        return max(1, min(most, int(want)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         most = torch.get_num_threads()
@@ -88,9 +170,17 @@ class CpuGemm:
             torch.set_num_threads(most)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] fp32 -> [..., N] fp32
         if not x.is_contiguous():
             x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.fmt == "float32":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.fmt == "bfloat16":
+            return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.packed, self.bias,
+                                                      "none", [], "").float()
+        if self.fmt == "float16":
+            return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -105,18 +195,23 @@ def eligible(module: nn.Module) -> bool:
         w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
 
 
-def pack_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Pack every eligible linear layer of ``model`` in place; returns how many.
+def pack_linears(model: nn.Module, fmt: str = "float32",
+                 skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Pack every eligible linear layer of ``model`` in place in ``fmt``; returns how many.
 
     The dense weight is released (the packed copy replaces it; ``weight`` becomes an empty
     tensor of the same dtype, so code that reads ``.weight.dtype`` still works and code
     that would multiply by it fails loudly). Layers named in ``skip`` keep their weight
     (the LM head: ``compute_logits`` reads it, possibly tied to the embedding)."""
-    if not available():
+    if not available(fmt):
+        if fmt != "float32":
+            raise ValueError(f"this torch build has no packed CPU kernel for {fmt} weights "
+                             "(oneDNN for bfloat16, fbgemm for float16/int8): use --dtype "
+                             "float32 without --quantization")
         logger.info("oneDNN packed linear is not in this torch build: linear layers use "
                     "torch's F.linear")
         return 0
-    min_flops = min_flops_per_thread()
+    min_flops, min_bytes = min_flops_per_thread(), min_bytes_per_thread()
     n = 0
     for name, module in model.named_modules():
         if name.split(".")[-1] in skip or not eligible(module):
@@ -125,7 +220,7 @@ def pack_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
         # ``linear`` for the bare GEMM and keeps its bias.
         own = type(module).forward is not nn.Linear.forward
         bias = None if own else module.bias
-        module.cpu_gemm = CpuGemm(module.weight, bias, min_flops)
+        module.cpu_gemm = CpuGemm(module.weight, bias, fmt, min_flops, min_bytes)
         if not own:
             module.forward = types.MethodType(_packed_forward, module)
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -97,7 +97,7 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
         self.mrope_section = [self.head_dim // 2, 0, 0]  # 1-D: every frequency reads row 0
         # NOTE: HF ties by the top-level flag (the text config's is not read)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.pack_head = False
+        self.pack_head = ""
         self._head_gemm: Any = None
         v = config.vision_config
         self.patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size

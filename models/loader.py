@@ -52,15 +52,17 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str,
                attention_backend: str = "torch", tp: TPContext | None = None,
-               shard_vision: bool = True, cpu_gemm: str = "torch", parts: str = "all"
+               shard_vision: bool = True, cpu_weights: str | None = None,
+               parts: str = "all"
                ) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, HF config) from a local checkpoint directory.
 
     With ``tp``, this rank's shard of the model (``shard_vision`` False: whole vision tower).
     ``parts``: build and read only the vision tower or only the language model
     (models/weight_parts.py); the other part's tensors are never read from the files.
-    ``cpu_gemm="onednn"``: an fp32 model on the CPU runs its linear layers (and LM head) on
-    weights packed for oneDNN (kernels/cpu_linear.py); the engine's processes ask for it.
+    ``cpu_weights`` (float32 | bfloat16 | float16 | int8): an fp32 model on the CPU runs
+    its linear layers (and LM head) on weights packed once in that format
+    (kernels/cpu_linear.py); the engine's processes ask for it.
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
     a shape mismatch."""
     from transformers import AutoConfig
@@ -70,10 +72,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
                                        shard_vision=shard_vision, parts=parts)
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
-    if cpu_gemm == "onednn" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    if cpu_weights and torch.device(device).type == "cpu" and dtype == torch.float32:
         from triptych.kernels.cpu_linear import available, pack_linears
 
-        if available():
-            pack_linears(model)
-            model.pack_head = True  # compute_logits packs its own copy of the head
+        if available(cpu_weights) or cpu_weights != "float32":  # else: F.linear, logged
+            pack_linears(model, cpu_weights)
+            model.pack_head = cpu_weights  # compute_logits packs its own copy of the head
     return model, config

@@ -196,7 +196,7 @@ class Qwen2VLForCausalLM(nn.Module):
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 "
                              f"= {self.head_dim // 2}")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.pack_head = False  # set by load_model(cpu_gemm="onednn"): CPU fp32 only
+        self.pack_head = ""  # set by load_model(cpu_weights=...): the head's packed format
         self._head_gemm: Any = None  # CpuGemm: a packed copy of the head, made on first use
         # Build on the meta device: no random init, no fp32 copy of a big model on the host.
         with torch.device("meta"):
@@ -256,12 +256,12 @@ class Qwen2VLForCausalLM(nn.Module):
         w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
              else self.lm_head.weight)
         if self.pack_head and hidden.device.type == "cpu":
-            # The head is the widest GEMM of a decode step (vocab ~152k): oneDNN on a packed
-            # copy of the frozen weight (kernels/cpu_linear.py; the embedding keeps its own).
+            # The head is the widest GEMM of a decode step (vocab ~152k): a packed copy of
+            # the frozen weight (kernels/cpu_linear.py; the embedding keeps its own).
             if self._head_gemm is None:
                 from triptych.kernels.cpu_linear import CpuGemm
 
-                self._head_gemm = CpuGemm(w, None)
+                self._head_gemm = CpuGemm(w, None, self.pack_head)
             return self._head_gemm(hidden)
         return F.linear(hidden, w).float()
 

@@ -186,7 +186,7 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         self.hidden = text.hidden_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.pack_head = False
+        self.pack_head = ""
         self._head_gemm: Any = None
         with torch.device("meta"):
             if parts != "language":

@@ -27,6 +27,7 @@ from triptych.engine.model_shape import (
     ModelShape,
     check_batch_budget,
     num_kv_blocks,
+    resolve_cpu_weights,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
@@ -78,7 +79,7 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
         model, hf = load_model(config.model, dtype, str(device), backend,
                                tp=group.ctx if group else None,
                                shard_vision=group is None or group.encoder_mode == "weights",
-                               cpu_gemm=config.cpu_gemm, parts=parts)
+                               cpu_weights=resolve_cpu_weights(config, device), parts=parts)
         held = weight_bytes(model)
         logger.info("%s%s weights: %s (vision %d bytes, language %d bytes)", role,
                     f" ({pool})" if pool else "", parts, held["vision"], held["language"])
@@ -100,12 +101,14 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
 def read_checkpoint(config: EngineConfig, device: torch.device
                     ) -> tuple[Any, torch.dtype, str, ModelShape]:
     """The checkpoint's HF config, and the dtype, attention backend and shape it resolves
-    to on ``device`` (every rank of a group reads the same)."""
+    to on ``device`` (every rank of a group reads the same). A model whose CPU linear
+    layers pack their weights computes in fp32 (``resolve_cpu_weights``)."""
     from transformers import AutoConfig
     from triptych.kernels import resolve_backend
 
     hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-    dtype = resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
+    dtype = torch.float32 if resolve_cpu_weights(config, device) else \
+        resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
     backend = resolve_backend(config.attention_backend, device.type)
     return hf, dtype, backend, ModelShape.from_hf(hf)
 

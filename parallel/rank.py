@@ -48,7 +48,7 @@ def run_rank(spec: Any) -> None:
     import zmq
     from triptych.config import EngineConfig
     from triptych.engine.model_runner import ModelRunner
-    from triptych.engine.model_shape import num_kv_blocks, resolve_device
+    from triptych.engine.model_shape import num_kv_blocks, resolve_cpu_weights, resolve_device
     from triptych.kernels import get_ops
     from triptych.models import load_model
     from triptych.models.tp_plan import local_kv_heads
@@ -71,7 +71,8 @@ def run_rank(spec: Any) -> None:
     ctx = TPContext.connect(store, spec.rank, spec.size, device)
     _, dtype, backend, shape = read_checkpoint(config, device)  # as rank 0 read it
     model, _ = load_model(config.model, dtype, str(device), backend, tp=ctx,
-                          shard_vision=spec.encoder_mode == "weights", cpu_gemm=config.cpu_gemm)
+                          shard_vision=spec.encoder_mode == "weights",
+                          cpu_weights=resolve_cpu_weights(config, device))
     runner = None
     if spec.role == "engine":
         blocks = ctx.min_int(num_kv_blocks(config, shape, dtype, device, spec.size))

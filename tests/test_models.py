@@ -219,10 +219,10 @@ def test_prompt_logits_match_hf(pair, case):
 
 @pytest.mark.skipif(not cpu_linear_available(), reason="no oneDNN packed linear in this build")
 def test_packed_cpu_linears_match_hf(pair):
-    """The engine's CPU path (load_model(cpu_gemm="onednn")): every linear layer on a packed
-    oneDNN weight, the head on its own packed copy; vision and logits still match HF."""
+    """The engine's CPU path (load_model(cpu_weights="float32")): every linear layer on a
+    packed oneDNN weight, the head on its own packed copy; vision and logits still match HF."""
     hf, _, path = pair
-    ours, _ = load_model(str(path), torch.float32, "cpu", cpu_gemm="onednn")
+    ours, _ = load_model(str(path), torch.float32, "cpu", cpu_weights="float32")
     linears = [m for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear)
                and not n.endswith("lm_head")]
     assert linears and all(hasattr(m, "cpu_gemm") and m.weight.numel() == 0 for m in linears)
