@@ -35,8 +35,14 @@ def holds(parts: str, name: str) -> bool:
 
 
 def weight_bytes(model: Any) -> dict[str, int]:
-    """Bytes of the parameters a model holds, per part (measured, not from the config)."""
+    """Bytes of the parameters a model holds, per part (measured, not from the config);
+    a linear layer packed for the CPU (kernels/cpu_linear.py) counts its packed weight.
+    NOTE: the LM head's packed copy is made on the first logits and is not counted."""
     out = {"vision": 0, "language": 0}
     for name, p in model.named_parameters():
         out[part_of(name)] += p.numel() * p.element_size()
+    for name, m in model.named_modules():
+        gemm = getattr(m, "cpu_gemm", None)
+        if gemm is not None:
+            out[part_of(name)] += gemm.weight_bytes
     return out

@@ -76,13 +76,16 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
     group = start_group(config, hf, role, device, data_kind, key_name)
     parts = weight_parts_for(config, role, pool)
     try:
+        cpu_weights = resolve_cpu_weights(config, device)
         model, hf = load_model(config.model, dtype, str(device), backend,
                                tp=group.ctx if group else None,
                                shard_vision=group is None or group.encoder_mode == "weights",
-                               cpu_weights=resolve_cpu_weights(config, device), parts=parts)
+                               cpu_weights=cpu_weights, parts=parts)
         held = weight_bytes(model)
-        logger.info("%s%s weights: %s (vision %d bytes, language %d bytes)", role,
-                    f" ({pool})" if pool else "", parts, held["vision"], held["language"])
+        logger.info("%s%s weights: %s (vision %d bytes, language %d bytes)%s", role,
+                    f" ({pool})" if pool else "", parts, held["vision"], held["language"],
+                    f"; linear layers packed in {cpu_weights} (--dtype / --quantization)"
+                    if cpu_weights else "")
         encode_fn = model.encode_images if group is None else \
             TPEncoder(group, model, shape.payload_width, dtype)
         encoder = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
