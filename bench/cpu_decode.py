@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import numpy as np
+from triptych.bench import machine
 
 # name -> engine knobs (kernels/cpu_linear.py packs the weights)
 FORMATS: dict[str, dict[str, Any]] = {
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     res: dict[str, Any] = {"model": model, "threads": threads, "prompt_len": args.prompt_len,
-                           "output_len": args.output_len, "rounds": [], "machine": _machine()}
+                           "output_len": args.output_len, "rounds": [], "machine": machine()}
     for f in fmts:  # warm-up: packs the head, touches every kernel
         llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
                          use_tqdm=False)
@@ -190,9 +191,3 @@ def quality(llms: dict[str, Any], fmts: list[str], args: argparse.Namespace, voc
               f"{100 * q['top1_agreement']:.1f}%, |logprob error| mean "
               f"{q['logprob_abs_err_mean']:.4f} max {q['logprob_abs_err_max']:.3f}")
     return out
-
-
-def _machine() -> dict[str, Any]:
-    from triptych.bench.throughput import _machine as machine
-
-    return machine()

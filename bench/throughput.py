@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 from typing import Any
 
 import numpy as np
+from triptych.bench import machine
 
 # Workload presets; explicit flags override them.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -136,7 +136,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     hf = None if args.skip_hf else _HF(w["model"], args.hf_batch_size, w["output_len"], warm)
     res: dict[str, Any] = {"preset": args.preset, **w, "threads": threads,
                            "hf_batch_size": args.hf_batch_size, "busy_host": args.busy_host,
-                           "machine": _machine(), "rounds": []}
+                           "machine": machine(), "rounds": []}
     prof = None
     spinner = _spinner() if args.busy_host else None
     try:
@@ -206,19 +206,6 @@ def _profile(llm: Any, prof: Any, processed: list[Any], sp: Any) -> dict[str, An
           + ", ".join(f"{k} {100 * v:.0f}%" for k, v in fr.items()))
     out["forward_parts"] = fr
     return out
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-    cpu = "?"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "omp_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
-                                                   "GOMP_SPINCOUNT") if k in os.environ}}
 
 
 class _HF:

@@ -11,7 +11,7 @@ import pytest
 from triptych.kernels import cpu_linear
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_fixtures import data_url, image_part, img, module_server, png, text_part, user  # noqa: E402
+from server_fixtures import data_url, image_part, img, module_server, png, text_part, user
 
 pytestmark = pytest.mark.skipif(not (cpu_linear.available("bfloat16")
                                      and cpu_linear.available("int8")),
