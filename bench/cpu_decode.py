@@ -51,6 +51,9 @@ def add_parser(subparsers: Any) -> None:
                    help="prompts for the quality comparison against fp32 (0: skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--dump-prompts", default=None,
+                   help="write the prompt token ids ({batch: [[ids]]}) to this JSON file, "
+                        "for a peer engine to run the same prompts")
 
 
 def read_bandwidth(gib: float = 1.0) -> float:
@@ -102,11 +105,16 @@ def run(args: argparse.Namespace) -> int:
     for f in fmts:  # warm-up: packs the head, touches every kernel
         llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
                          use_tqdm=False)
+    # the same prompts every round (no prefix caching: nothing carries over)
+    prompts_of = {b: rng.integers(100, vocab, (b, args.prompt_len)).tolist() for b in batches}
+    if args.dump_prompts:
+        with open(args.dump_prompts, "w") as fh:
+            json.dump({str(b): p for b, p in prompts_of.items()}, fh)
     for r in range(args.rounds):
         row: dict[str, Any] = {"read_gb_s": read_bandwidth()}
         order = fmts[r % len(fmts):] + fmts[:r % len(fmts)]
         for b in batches:
-            prompts = rng.integers(100, vocab, (b, args.prompt_len)).tolist()
+            prompts = prompts_of[b]
             for f in order:
                 t0 = time.perf_counter()
                 llms[f].generate(prompts, first, use_tqdm=False)
