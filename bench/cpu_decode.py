@@ -6,6 +6,8 @@ ignore_eos), one in-process engine per format, formats alternating in every roun
 
   output tok/s   batch x output_len / the whole generate call (prefill included)
   decode tok/s   batch x (output_len - 1) / (that call - a 1-token call: the prefill)
+  CPU ms/token   process CPU time of the whole call / its output tokens (a shared box's
+                 load disturbs it far less than wall time)
   bandwidth      batch 1: bytes a decode step reads (weights + the KV of the mean context)
                  / the decode step, beside the box's read bandwidth measured each round
                  (torch.sum over 1 GiB on the same threads)
@@ -118,10 +120,13 @@ def run(args: argparse.Namespace) -> int:
             for f in order:
                 t0 = time.perf_counter()
                 llms[f].generate(prompts, first, use_tqdm=False)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 llms[f].generate(prompts, sp, use_tqdm=False)
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 row[f"{f}_b{b}_out_tok_s"] = b * args.output_len / (t2 - t1)
+                # CPU time (all threads) per output token: what load on a shared box
+                # disturbs least (idle threads sleep under the passive wait policy)
+                row[f"{f}_b{b}_cpu_ms_per_tok"] = 1e3 * (c2 - c1) / (b * args.output_len)
                 row[f"{f}_b{b}_decode_tok_s"] = b * (args.output_len - 1) / (
                     (t2 - t1) - (t1 - t0))
         res["rounds"].append(row)
@@ -148,7 +153,8 @@ def _report(res: dict[str, Any], hf: Any, fmts: list[str], batches: list[int],
     for f in fmts:
         line = f"  {f}: " + ", ".join(
             f"batch {b} {med[f'{f}_b{b}_out_tok_s']:.1f} out tok/s "
-            f"({med[f'{f}_b{b}_decode_tok_s']:.1f} decode)" for b in batches)
+            f"({med[f'{f}_b{b}_decode_tok_s']:.1f} decode, "
+            f"{med[f'{f}_b{b}_cpu_ms_per_tok']:.1f} CPU ms/token)" for b in batches)
         if 1 in batches:
             gb = step_bytes(hf, f, context) / 1e9
             bw = gb * med[f"{f}_b1_decode_tok_s"]
