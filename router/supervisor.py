@@ -4,7 +4,8 @@
     watch()         every WATCH_INTERVAL_S: a worker that exited is reported (on_exit) and
                     restarted after a backoff (0.5 s doubling to 30 s; reset after 60 s up);
                     a worker up but silent (no heartbeat, worker/heartbeat.py) for
-                    ``heartbeat_timeout_s`` is frozen: SIGKILL, then the same path. A failed
+                    ``heartbeat_timeout_s`` is frozen, one inside a single step longer than
+                    ``max_step_s`` is hung: SIGKILL, then the same path. A failed
                     start (fork EAGAIN, ...) is logged, shown in /health, retried with the
                     backoff; no error stops the watch.
     stop_all()      SIGTERM to every worker, SIGKILL after a grace period, run dir removed
@@ -64,8 +65,9 @@ def make_run_dir() -> str:
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
                  on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
-                 heartbeat_timeout_s: float = 10.0) -> None:
+                 heartbeat_timeout_s: float = 10.0, max_step_s: float = 0.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_step_s = max_step_s  # a step longer than this is hung (0: never)
         self._last_round = 0.0  # monotonic time of the watch's previous round
         self._attentive_since = 0.0  # P0's own loop stalled until then (see check)
         self.errors_total = 0  # errors the watch survived (failed starts included)
@@ -135,6 +137,13 @@ class Supervisor:
                              w.identity, w.pid, now - w.last_seen)
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.kill()  # NOTE: SIGKILL ends a stopped (SIGSTOP) process too
+            elif w.state == "up" and w.proc and self.max_step_s and w.busy_s > self.max_step_s:
+                w.state = "stalled"  # heartbeating, but its step never ends: the same path
+                logger.error("%s (pid %d) is inside one step for %.0f s (hung?): killing it; "
+                             "raise --max-step-seconds if steps this long are expected",
+                             w.identity, w.pid, w.busy_s)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
             elif w.state == "dead" and w.remote is None and not self._stopping \
                     and now >= w.restart_at:
                 try:
