@@ -186,14 +186,17 @@ class Supervisor:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
+        # NOTE: polled, not waited on in a thread: at interpreter exit (the offline LLM's
+        # atexit close) the default executor takes no new work.
         deadline = time.monotonic() + grace_s
         for p in procs:
-            try:
-                await asyncio.to_thread(p.wait, max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if p.poll() is None:
                 logger.warning("pid %d did not stop in %.0f s; killing it", p.pid, grace_s)
                 p.kill()
-                await asyncio.to_thread(p.wait, 5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(5)
 
     def kill_all_now(self) -> None:
         """Last resort when no event loop runs any more (interpreter exit)."""
