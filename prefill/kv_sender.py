@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from triptych.connector import Connector, ConnectorError
+from triptych.connector import Connector
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.outputs import EngineCoreOutput
 from triptych.prefill.kv_lanes import DEAD_PEER_S, KVJob, SendLanes
@@ -39,7 +39,7 @@ from triptych.worker import wire
 
 logger = logging.getLogger("triptych.prefill")
 MAX_KV_MESSAGE_BYTES = 256 << 20  # one KV message at most (the connector's cap is 1 GiB)
-__all__ = ["DEAD_PEER_S", "KVSender", "MAX_KV_MESSAGE_BYTES"]
+__all__ = ["DEAD_PEER_S", "MAX_KV_MESSAGE_BYTES", "KVSender"]
 
 
 @dataclass
@@ -86,10 +86,10 @@ class KVSender:
                 continue
             if o.first_token is not None:
                 self._pump(rid, o, failed)
-            elif not o.jobs and now - o.last_sent >= self.keepalive_s:
-                if self._queue(rid, o, [], o.next_block, False, failed):
-                    o.last_sent = now
-                    self.keepalives += 1
+            elif not o.jobs and now - o.last_sent >= self.keepalive_s and \
+                    self._queue(rid, o, [], o.next_block, False, failed):
+                o.last_sent = now
+                self.keepalives += 1
         return failed
 
     def after_step(self, outs: list[EngineCoreOutput]) -> list[str]:

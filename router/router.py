@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -48,7 +47,7 @@ from triptych.router.migration import MAX_MIGRATIONS, Migration
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Child, ClientRequest, RequestTable
 from triptych.router.sockets import RouterSockets
-from triptych.router.supervisor import Supervisor, make_run_dir
+from triptych.router.supervisor import Supervisor, make_run_dir, remove_run_dir
 from triptych.worker import wire
 from triptych.worker.threads import divide_cores
 
@@ -152,7 +151,7 @@ class Router:
         if self._sockets is not None:
             self._sockets.close()
         self.pixels.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        remove_run_dir(self._dir)
         from triptych.connector import cleanup_stale
         cleanup_stale()  # segments and sockets of workers that died (their own are gone)
 

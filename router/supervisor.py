@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+from triptych.connector.owner import make_owned_dir, owner_alive, release
 from triptych.connector.segments import pid_alive
 from triptych.router.handle import WorkerHandle
 from triptych.worker.loop import WorkerSpec
@@ -45,21 +46,36 @@ POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decod
 
 
 def clean_stale(tmp: str | None = None) -> list[str]:
-    """Remove run dirs of servers that are no longer running (killed with -9)."""
+    """Remove run dirs of servers that are no longer running (killed with -9): judged by
+    the lock their owner holds while it lives (connector/owner.py), not by the pid in the
+    name, which may be recycled or belong to another pid namespace."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     for name in os.listdir(tmp):
         m = _RUN_DIR_RE.match(name)
-        if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        path = os.path.join(tmp, name)
+        if m and os.path.isdir(path) and not os.path.islink(path) and \
+                not owner_alive(path, int(m.group(1)), pid_alive):
+            shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
 
 
+_owned: dict[str, int] = {}  # run dir -> the lock fd this process holds on it
+
+
 def make_run_dir() -> str:
-    """A private (0700) dir for this server's sockets, named after its pid."""
+    """A private (0700) dir for this server's sockets, named after its pid, locked while
+    this process lives (``remove_run_dir`` when done)."""
     clean_stale()
-    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    path, fd = make_owned_dir(f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    _owned[path] = fd
+    return path
+
+
+def remove_run_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    release(_owned.pop(path, None))
 
 
 class Supervisor:

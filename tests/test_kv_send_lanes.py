@@ -20,7 +20,7 @@ from triptych.worker import wire
 from triptych.worker.loop import WorkerSpec, _receive
 
 sys.path.insert(0, os.path.dirname(__file__))
-import connector_peer  # noqa: E402
+import connector_peer
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
