@@ -5,7 +5,8 @@
       submit(job); never waits               -> read the pinned blocks, connector.send
       done(): unpin, report failures     <-  finished jobs (ok, or the error)
 
-One lane (thread, bounded queue) per decode peer address, so a frozen or dead peer holds
+One lane (thread, bounded queue) per decode peer address (ended after IDLE_LANE_S with
+nothing to send: remote peers come and go), so a frozen or dead peer holds
 up only its own messages: a send that times out marks the peer gone for DEAD_PEER_S and
 every message queued or submitted to it meanwhile fails at once, without waiting.
 A full lane refuses the job (``submit`` returns False); the loop keeps the blocks and
@@ -31,6 +32,7 @@ from triptych.worker import wire
 logger = logging.getLogger("triptych.prefill")
 LANE_DEPTH = 8  # messages queued per decode peer before the loop holds more back
 DEAD_PEER_S = 10.0  # a decode peer that timed out is skipped this long
+IDLE_LANE_S = 120.0  # a lane with nothing to send for this long ends (peers come and go)
 
 
 @dataclass(eq=False)
@@ -52,6 +54,8 @@ class _Lane:
     def __init__(self, owner: SendLanes, address: str) -> None:
         self.owner, self.address = owner, address
         self.queue: queue.Queue[KVJob | None] = queue.Queue(LANE_DEPTH)
+        self.pending = 0  # jobs submitted and not finished (under the owner's lock)
+        self.last_used = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="kv-lane", daemon=True)
         self.thread.start()
 
@@ -63,7 +67,7 @@ class _Lane:
                 logger.exception("KV send to %s failed", self.address)
                 job.error = f"internal error: {e}"
             finally:
-                self.owner.finished(job)
+                self.owner.finished(job, self)
 
 
 class SendLanes:
@@ -91,13 +95,26 @@ class SendLanes:
             lane = self._lanes[job.address] = _Lane(self, job.address)
         with self._cv:
             self._in_flight += 1
+            lane.pending += 1
+        lane.last_used = time.monotonic()
         try:
             lane.queue.put_nowait(job)
         except queue.Full:
             with self._cv:
                 self._in_flight -= 1
+                lane.pending -= 1
             return False
         return True
+
+    def retire_idle(self, now: float) -> None:
+        """End the lanes of peers nothing was sent to for IDLE_LANE_S (the loop's thread:
+        the only one that submits, so an idle lane stays idle until it is gone)."""
+        for address, lane in list(self._lanes.items()):
+            with self._cv:
+                idle = lane.pending == 0 and now - lane.last_used > IDLE_LANE_S
+            if idle:
+                del self._lanes[address]
+                lane.queue.put_nowait(None)
 
     def send_one(self, job: KVJob) -> None:
         """On a lane: read and send one job (or fail it at once: cancelled, peer gone)."""
@@ -123,10 +140,11 @@ class SendLanes:
         self._dead.pop(job.address, None)
         job.seconds = time.perf_counter() - t0
 
-    def finished(self, job: KVJob) -> None:
+    def finished(self, job: KVJob, lane: _Lane) -> None:
         with self._cv:
             self._done.append(job)
             self._in_flight -= 1
+            lane.pending -= 1
             self._cv.notify_all()
 
     def done(self) -> list[KVJob]:

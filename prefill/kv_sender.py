@@ -81,6 +81,7 @@ class KVSender:
         renew the lease of every request not sent anything for a while (an empty chunk).
         Returns request ids whose transfer failed."""
         failed = self._collect()
+        self.lanes.retire_idle(now)
         for rid, o in list(self._out.items()):
             if rid not in self._out:
                 continue
