@@ -60,6 +60,8 @@ class EngineConfig:
     kv_transfer: str = "auto"  # how KV and embeddings move between pools: auto | shm | tcp (auto: shm on one host; inproc is for handlers in one process, refused for pools)
     kv_transfer_timeout: float = 30.0  # seconds a decode worker holds blocks for a KV transfer that has not completed
     worker_heartbeat_timeout: float = 10.0  # seconds a worker (local or remote) may send no heartbeat before it is taken for dead: killed (local), restarted, its requests run again elsewhere; it heartbeats every 0.5 s from a thread of its own, so a long step never counts as silence
+    max_step_seconds: float = 300.0  # a worker inside one step (a forward pass, a vision-tower call) longer than this is taken for hung: killed (local) or dropped (remote), restarted, its requests run again elsewhere; vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS as a flag (0 disables; raise it for huge images on a CPU)
+    first_token_timeout: float = 600.0  # seconds a server request may wait for its first token (queueing on the workers, encoding, prefill, KV transfer) before it fails with a 503 naming this flag and everything it held is freed (0 disables; the offline LLM has none)
     kv_transfer_host: str = "127.0.0.1"  # kv_transfer=tcp: address this host's workers bind their data endpoints to
     worker_address: str | None = None  # tcp://HOST:PORT where pool workers on other hosts register (off unless set; needs worker_keys)
     worker_keys: str | None = None  # CURVE key directory made by `triptych keys` (the router's key is named router)
@@ -128,6 +130,10 @@ class EngineConfig:
         if not self.worker_heartbeat_timeout >= 2.0:  # NOTE: also refuses NaN
             raise ValueError("worker_heartbeat_timeout must be at least 2 seconds (workers "
                              "heartbeat every 0.5 s)")
+        for name in ("max_step_seconds", "first_token_timeout"):
+            v = getattr(self, name)
+            if not (v == 0 or v >= 1.0):  # NOTE: also refuses NaN
+                raise ValueError(f"{name} must be 0 (off) or at least 1 second, got {v!r}")
         if not self.kv_transfer_timeout > 0:
             raise ValueError("kv_transfer_timeout must be positive")
         if self.mm_processor_cache_type not in ("lru", "shm"):

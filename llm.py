@@ -11,6 +11,10 @@ run the batch (``llm.close()`` stops them; they also stop when this process exit
         {"type": "image_url", "image_url": {"url": "file:///data/page1.png"}},
         {"type": "text", "text": "Transcribe this page."}]}],
         SamplingParams(temperature=0.0, max_tokens=512))
+
+Tenancy as on the server (docs/tenancy.md): a prompt dict's ``"cache_salt"`` (vLLM's) or
+``chat(..., cache_salt=...)`` scopes that request's prefix-cache hits and media uuids; a
+request with another salt (or none) neither hits nor resolves them.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
@@ -88,37 +93,73 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt; outputs come back in the order of the prompts."""
-        return self._run(self._prompts(prompts), sampling_params, use_tqdm)
+        """Complete each prompt; outputs come back in the order of the prompts. A prompt
+        dict may carry ``"cache_salt"`` (vLLM's): its prefix cache and uuids are its own."""
+        processed, scopes = self._prompts(prompts)
+        return self._run(processed, sampling_params, use_tqdm, scopes=scopes)
 
-    def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[ProcessedPrompt]:
-        """One prompt or a list of them, processed. Already-processed prompts
-        (ProcessedPrompt) pass through: benchmarks and pipelines that preprocess ahead of
-        time do not pay for it twice."""
+    def _prompts(self, prompts: PromptType | Sequence[PromptType]
+                 ) -> tuple[list[ProcessedPrompt], list[str | None]]:
+        """One prompt or a list of them, processed, and each one's cache scope. Already-
+        processed prompts (ProcessedPrompt) pass through: benchmarks and pipelines that
+        preprocess ahead of time do not pay for it twice."""
         if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
                 prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return [p if isinstance(p, ProcessedPrompt) else
-                self._process(i, lambda p=p: self.processor.process_prompt(p))
-                for i, p in enumerate(prompts)]
+        out, scopes = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, ProcessedPrompt):
+                out.append(p)
+                scopes.append(None)
+                continue
+            salt = None
+            if isinstance(p, dict) and "cache_salt" in p:
+                p = dict(p)
+                salt = p.pop("cache_salt")
+            view, scope = self._process(i, lambda s=salt: self._salted(s))
+            out.append(self._process(i, lambda p=p, v=view: v.process_prompt(p)))
+            scopes.append(scope)
+        return out, scopes
+
+    def _salted(self, salt: Any) -> tuple[Any, str | None]:
+        """The processor view and cache scope of a request with ``cache_salt`` (None: the
+        shared ones). The scope is the server's for an anonymous request with this salt."""
+        if salt is None:
+            return self.processor, None
+        if not isinstance(salt, str) or not salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        from triptych.api.tenancy import cache_scope
+
+        scope = cache_scope(None, salt)
+        return self.processor.for_request(scope=scope), scope
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             abort_if: Callable[[], bool] | None = None) -> list[RequestOutput]:
+             abort_if: Callable[[], bool] | None = None,
+             cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Answer one conversation (a list of OpenAI-style messages) or a list of them.
         ``continue_final_message`` continues the last message instead of starting a new
         one (vLLM's parameters; pass ``add_generation_prompt=False`` with it).
         ``abort_if`` is asked between engine steps: True aborts the requests and raises
-        KeyboardInterrupt (`triptych chat`'s Ctrl-C; the in-process engine only)."""
+        KeyboardInterrupt (`triptych chat`'s Ctrl-C; the in-process engine only).
+        ``cache_salt``: one for every conversation, or one (or None) per conversation; it
+        scopes their prefix-cache hits and media uuids (the server's ``cache_salt``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        processed = [self._process(i, lambda c=c: self.processor.process_chat(
+        salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) \
+            else [cache_salt] * len(convs)
+        if len(salts) != len(convs):
+            raise ValueError(f"{len(salts)} cache salts for {len(convs)} conversations")
+        views = [self._process(i, lambda s=s: self._salted(s)) for i, s in enumerate(salts)]
+        processed = [self._process(i, lambda c=c, v=v: v.process_chat(
             c, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)) for i, c in enumerate(convs)]
-        return self._run(processed, sampling_params, use_tqdm, abort_if)
+            chat_template_kwargs=chat_template_kwargs))
+            for i, (c, (v, _)) in enumerate(zip(convs, views))]
+        return self._run(processed, sampling_params, use_tqdm, abort_if,
+                         scopes=[scope for _, scope in views])
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -128,7 +169,7 @@ class LLM:
         shares the prompts' KV (engine/beam_search.py)."""
         if self.layout.has_prefill_pool:
             raise ValueError("beam search runs in colocated layouts only (not P+D)")
-        processed = self._prompts(prompts)
+        processed, _ = self._prompts(prompts)
         searches = [BeamSearch(params, self.tokenizer.eos_token_id,
                                beam_max_tokens(params, len(pp.prompt_token_ids),
                                                self.max_model_len),
@@ -159,12 +200,16 @@ class LLM:
             raise ValueError(f"prompt {index}: {e}") from e
 
     def _run(self, processed: list[Any], params: Any, use_tqdm: bool,
-             abort_if: Callable[[], bool] | None = None) -> list[RequestOutput]:
+             abort_if: Callable[[], bool] | None = None,
+             scopes: list[str | None] | None = None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(processed)
         if len(plist) != len(processed):
             raise ValueError(f"{len(plist)} sampling params for {len(processed)} prompts")
+        for i, scope in enumerate(scopes or []):
+            if scope is not None:  # the request's own copy: the prefix cache is scoped
+                plist[i] = msgspec.structs.replace(plist[i], cache_salt=scope)
         bar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         if self.pools is not None:

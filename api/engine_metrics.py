@@ -65,6 +65,8 @@ ROUTER_COUNTERS = {  # flat keys of the router itself
     "worker_restarts": ("worker_restarts", "Worker processes restarted by the supervisor"),
     "request_migrations": ("request_migrations",
                            "Requests run again on another worker after theirs failed"),
+    "first_token_timeouts": ("first_token_timeouts",
+                             "Requests failed for no first token in --first-token-timeout"),
 }
 ENGINE_HISTOGRAMS = {  # exported once reported; P0 cannot measure these
     "iteration_tokens_total": "Tokens per engine step",

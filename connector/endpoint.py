@@ -7,6 +7,7 @@ secured (``_connect_address`` / ``_prepare_push``).
 """
 from __future__ import annotations
 
+import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
@@ -45,6 +46,9 @@ class ZmqEndpoint(Connector):
         self._header_decoder = msgspec.msgpack.Decoder(header_type)
         self._peers: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._max_peers = max_peers
+        # NOTE: several threads may send (a prefill worker's KV send lanes, one per peer):
+        # the peer table is shared; each peer's socket is used by one thread only.
+        self._peers_lock = threading.Lock()
         self._closed = False
         self._pull = ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -80,6 +84,10 @@ class ZmqEndpoint(Connector):
 
     # -- sending -----------------------------------------------------------------------
     def _push_socket(self, peer: str) -> zmq.Socket:
+        with self._peers_lock:
+            return self._push_socket_locked(peer)
+
+    def _push_socket_locked(self, peer: str) -> zmq.Socket:
         sock = self._peers.get(peer)
         if sock is not None:
             self._peers.move_to_end(peer)
@@ -104,7 +112,8 @@ class ZmqEndpoint(Connector):
 
     def forget(self, peer: str) -> None:
         """Drop the socket to a peer (e.g. a worker that died); queued messages are lost."""
-        sock = self._peers.pop(peer, None)
+        with self._peers_lock:
+            sock = self._peers.pop(peer, None)
         if sock is not None:
             sock.close(0)
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .envelope import BadMessage, ConnectorError, TensorSpec
+from .owner import owner_alive
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # every tensor starts on a cache line
@@ -150,8 +151,9 @@ def pid_alive(pid: int) -> bool:
 
 def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
                   tmp_dir: str | None = None) -> list[str]:
-    """Remove this user's segments in ``shm_dir`` and ipc socket directories in
-    ``tmp_dir`` whose owner pid (the number after ``prefix``) is no longer alive. Returns
+    """Remove this user's segments in ``shm_dir`` whose owner pid (the number after
+    ``prefix``) is no longer alive, and ipc socket directories in ``tmp_dir`` whose owner
+    no longer holds their lock (connector/owner.py). Returns
     the removed paths. Safe to run while live endpoints use the same prefix. In /dev/shm
     only names of our own form from our own pid namespace are judged: another container's
     segments, and other kinds of files (P0's processor-cache ring has its own cleanup), are
@@ -179,7 +181,13 @@ def cleanup_stale(prefix: str = "triptych-", shm_dir: str = SHM_DIR,
             except FileNotFoundError:
                 continue
             is_dir = stat.S_ISDIR(st.st_mode)
-            if st.st_uid != os.getuid() or is_dir != want_dir or pid_alive(int(m.group(1))):
+            if st.st_uid != os.getuid() or is_dir != want_dir:
+                continue
+            # NOTE: a dir by its owner's lock (connector/owner.py): a recycled pid or one
+            # from another pid namespace sharing /tmp judges nothing; a segment by its pid
+            # (its name holds our namespace; a recycled pid only delays its removal).
+            pid = int(m.group(1))
+            if owner_alive(e.path, pid, pid_alive) if is_dir else pid_alive(pid):
                 continue
             if is_dir:
                 shutil.rmtree(e.path, ignore_errors=True)

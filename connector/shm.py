@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from .envelope import (
     host_bytes,
     spec_of,
 )
+from .owner import make_owned_dir, release
 
 _MAX_IPC_PATH = 100  # sun_path holds 108 bytes
 
@@ -47,8 +47,9 @@ class ShmConnector(ZmqEndpoint):
         self._pattern = segments.name_pattern(prefix)
         self._id = secrets.token_hex(4)
         self._ns = segments.pid_namespace()
-        # NOTE: the owner pid in the name lets cleanup_stale remove a dead process's files.
-        self._dir = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-ipc-", dir=ipc_dir)
+        # NOTE: the owner pid in the name and the lock in the dir (connector/owner.py) let
+        # cleanup_stale remove a dead process's files, and only those.
+        self._dir, self._dir_lock = make_owned_dir(f"{prefix}{os.getpid()}-ipc-", ipc_dir)
         path = os.path.join(self._dir, "rx")
         ctx = zmq.Context()
         try:
@@ -61,6 +62,7 @@ class ShmConnector(ZmqEndpoint):
         except BaseException:
             ctx.destroy(linger=0)
             shutil.rmtree(self._dir, ignore_errors=True)
+            release(self._dir_lock)
             raise
         self._pending: dict[str, float] = {}  # segments we made and nobody took: deadline
         self._lock = threading.Lock()
@@ -161,3 +163,4 @@ class ShmConnector(ZmqEndpoint):
         self._reap(float("inf"))
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        release(self._dir_lock)

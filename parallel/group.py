@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -36,6 +35,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 import zmq
+from triptych.connector.owner import make_owned_dir, release
 from triptych.parallel import wire as tp_wire
 from triptych.worker.threads import apply_thread_policy, divide_cores, thread_env
 from triptych.parallel.context import TPContext, TPGroupError
@@ -86,7 +86,7 @@ class TPGroup:
         self.broken: str | None = None
         self._closing = self._raised = False
         self.procs: list[subprocess.Popen] = []
-        self.run_dir = tempfile.mkdtemp(prefix=f"triptych-{os.getpid()}-ipc-tp-")
+        self.run_dir, self._dir_lock = make_owned_dir(f"triptych-{os.getpid()}-ipc-tp-")
         self._zmq = zmq.Context()
         self._socks: list[zmq.Socket] = []
         self.ctx: TPContext | None = None
@@ -231,6 +231,7 @@ class TPGroup:
         if getattr(self, "_on_main", False):
             signal.signal(signal.SIGUSR2, self._old_handler)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        release(self._dir_lock)
 
 
 def start_group(config: Any, hf: Any, role: str, device: torch.device, data_kind: str = "",

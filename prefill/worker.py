@@ -3,7 +3,8 @@
     AddRequest(kv_dest)  -> [wait for embeddings from the encode pool] -> prefill (chunked,
                             prefix-cached) -> first token to the router (StepOutputs,
                             finish_reason "handoff") -> the KV blocks to the decode worker
-                            (KVSender: full blocks as chunks finish, the rest at hand-off)
+                            (KVSender: full blocks as chunks finish, the rest at hand-off,
+                            on send lanes: the loop never waits for a decode peer)
 
 Without an encode pool the worker runs the vision tower itself on the pixels it receives.
 The rest (pixels, inbox, data socket, hello) is ``worker/model_worker.py``'s.
@@ -54,12 +55,17 @@ class PrefillWorker(ModelWorker):
         return [wire.RequestError(rid, "KV transfer to the decode worker failed",
                                   retryable=True) for rid in failed]
 
+    def close(self) -> None:
+        self.sender.close()  # its lanes stop before the connector they send on closes
+        super().close()
+
     def stats(self) -> dict[str, float]:
         s = super().stats()
         s["kv_transfer_bytes_total"] = self.sender.bytes_sent
         s["kv_transfers_total"] = self.sender.transfers
         s["kv_lease_renewals_total"] = self.sender.keepalives
         s["kv_transfer_rank_to_rank_total"] = self.sender.sliced
+        s["kv_sends_held_back_total"] = self.sender.held_back
         s["requests_waiting_for_embeddings"] = len(self.inbox)
         return s
 

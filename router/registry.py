@@ -33,6 +33,7 @@ class WorkerRegistry:
         remote worker silent for ``heartbeat_timeout_s`` is taken for dead (its heartbeat
         thread sends every 0.5 s, worker/heartbeat.py)."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_step_s = 0.0  # a remote worker inside one step longer than this: dropped
         self.model_fingerprint = model_fingerprint  # ours: a remote worker must match it
         self.refused: dict[str, str] = {}  # remote names refused, and why (logged once)
         self.layout = layout
@@ -107,6 +108,12 @@ class WorkerRegistry:
                     w.state = "dead"
                     logger.error("%s (another host) sent nothing for %.0f s; taken for dead",
                                  w.name, self.heartbeat_timeout_s)
+                    self.on_exit(w, -1)
+                elif w.remote and w.up and self.max_step_s and w.busy_s > self.max_step_s:
+                    w.state = "dead"
+                    logger.error("%s (another host) is inside one step for %.0f s (hung?); "
+                                 "dropped (restart it; or raise --max-step-seconds)",
+                                 w.name, w.busy_s)
                     self.on_exit(w, -1)
             await asyncio.sleep(0.5)
 

@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -48,7 +47,7 @@ from triptych.router.migration import MAX_MIGRATIONS, Migration
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Child, ClientRequest, RequestTable
 from triptych.router.sockets import RouterSockets
-from triptych.router.supervisor import Supervisor, make_run_dir
+from triptych.router.supervisor import Supervisor, make_run_dir, remove_run_dir
 from triptych.worker import wire
 from triptych.worker.threads import divide_cores
 
@@ -85,10 +84,12 @@ class Router:
             self.layout, config.block_size, self._on_worker_exit,
             config.worker_heartbeat_timeout,
             model_fingerprint(config.model) if config.worker_address else "")
+        self.registry.max_step_s = config.max_step_seconds
         self.requests = RequestTable(self.pixels.unpin)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self.first_token_timeouts = 0  # requests failed by --first-token-timeout
         self._started = False
         self._start_failure: str | None = None
         self.supervisor: Supervisor | None = None
@@ -109,7 +110,8 @@ class Router:
                         self.pixels)
         self.supervisor = Supervisor(sockets.address, self.tokenizer.eos_token_id,
                                      self._on_worker_exit, shm_ring=self.pixels.ring_name,
-                                     heartbeat_timeout_s=self.config.worker_heartbeat_timeout)
+                                     heartbeat_timeout_s=self.config.worker_heartbeat_timeout,
+                                     max_step_s=self.config.max_step_seconds)
         config = dataclasses.asdict(self.config)
         threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
@@ -149,7 +151,7 @@ class Router:
         if self._sockets is not None:
             self._sockets.close()
         self.pixels.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        remove_run_dir(self._dir)
         from triptych.connector import cleanup_stale
         cleanup_stale()  # segments and sockets of workers that died (their own are gone)
 
@@ -224,6 +226,7 @@ class Router:
             out[k] = v
         out["worker_restarts_total"] = self.supervisor.restarts_total if self.supervisor else 0
         out["request_migrations_total"] = self.migrations_total
+        out["first_token_timeouts_total"] = self.first_token_timeouts
         return out
 
     def new_request_id(self, prefix: str) -> str:
@@ -242,9 +245,28 @@ class Router:
         async with contextlib.aclosing(self.outputs_of(request_id, prompt, params,
                                                        stream)) as outs:
             sent_prompt_lps = False
-            async for out in outs:
+            first = await self._first_output(outs)
+            if first is None:
+                return
+            out: RequestOutput | None = first
+            while out is not None:
                 yield _delta(out, with_prompt_logprobs=not sent_prompt_lps)
                 sent_prompt_lps = sent_prompt_lps or out.prompt_logprobs is not None
+                out = await anext(outs, None)
+
+    async def _first_output(self, outs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        """The first output (the first token), within --first-token-timeout. Past it the
+        wait is cancelled: the generator's clean-up aborts the request on its workers."""
+        timeout = self.config.first_token_timeout
+        try:
+            return await asyncio.wait_for(anext(outs, None), timeout or None)
+        except asyncio.TimeoutError:
+            self.first_token_timeouts += 1
+            logger.error("no first token for a request in %.0f s: failed "
+                         "(--first-token-timeout)", timeout)
+            raise EngineDeadError(
+                f"no first token within {timeout:.0f} s (--first-token-timeout): the "
+                "workers are overloaded or stuck; retry later") from None
 
     async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
                          params: SamplingParams, stream: bool = True

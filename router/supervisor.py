@@ -4,7 +4,8 @@
     watch()         every WATCH_INTERVAL_S: a worker that exited is reported (on_exit) and
                     restarted after a backoff (0.5 s doubling to 30 s; reset after 60 s up);
                     a worker up but silent (no heartbeat, worker/heartbeat.py) for
-                    ``heartbeat_timeout_s`` is frozen: SIGKILL, then the same path. A failed
+                    ``heartbeat_timeout_s`` is frozen, one inside a single step longer than
+                    ``max_step_s`` is hung: SIGKILL, then the same path. A failed
                     start (fork EAGAIN, ...) is logged, shown in /health, retried with the
                     backoff; no error stops the watch.
     stop_all()      SIGTERM to every worker, SIGKILL after a grace period, run dir removed
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+from triptych.connector.owner import make_owned_dir, owner_alive, release
 from triptych.connector.segments import pid_alive
 from triptych.router.handle import WorkerHandle
 from triptych.worker.loop import WorkerSpec
@@ -44,28 +46,44 @@ POOL_MODULES = {"colocated": "triptych.decode.worker", "decode": "triptych.decod
 
 
 def clean_stale(tmp: str | None = None) -> list[str]:
-    """Remove run dirs of servers that are no longer running (killed with -9)."""
+    """Remove run dirs of servers that are no longer running (killed with -9): judged by
+    the lock their owner holds while it lives (connector/owner.py), not by the pid in the
+    name, which may be recycled or belong to another pid namespace."""
     tmp = tmp or tempfile.gettempdir()
     removed = []
     for name in os.listdir(tmp):
         m = _RUN_DIR_RE.match(name)
-        if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        path = os.path.join(tmp, name)
+        if m and os.path.isdir(path) and not os.path.islink(path) and \
+                not owner_alive(path, int(m.group(1)), pid_alive):
+            shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
 
 
+_owned: dict[str, int] = {}  # run dir -> the lock fd this process holds on it
+
+
 def make_run_dir() -> str:
-    """A private (0700) dir for this server's sockets, named after its pid."""
+    """A private (0700) dir for this server's sockets, named after its pid, locked while
+    this process lives (``remove_run_dir`` when done)."""
     clean_stale()
-    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    path, fd = make_owned_dir(f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    _owned[path] = fd
+    return path
+
+
+def remove_run_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    release(_owned.pop(path, None))
 
 
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
                  on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
-                 heartbeat_timeout_s: float = 10.0) -> None:
+                 heartbeat_timeout_s: float = 10.0, max_step_s: float = 0.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_step_s = max_step_s  # a step longer than this is hung (0: never)
         self._last_round = 0.0  # monotonic time of the watch's previous round
         self._attentive_since = 0.0  # P0's own loop stalled until then (see check)
         self.errors_total = 0  # errors the watch survived (failed starts included)
@@ -135,6 +153,13 @@ class Supervisor:
                              w.identity, w.pid, now - w.last_seen)
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.kill()  # NOTE: SIGKILL ends a stopped (SIGSTOP) process too
+            elif w.state == "up" and w.proc and self.max_step_s and w.busy_s > self.max_step_s:
+                w.state = "stalled"  # heartbeating, but its step never ends: the same path
+                logger.error("%s (pid %d) is inside one step for %.0f s (hung?): killing it; "
+                             "raise --max-step-seconds if steps this long are expected",
+                             w.identity, w.pid, w.busy_s)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
             elif w.state == "dead" and w.remote is None and not self._stopping \
                     and now >= w.restart_at:
                 try:
@@ -177,14 +202,17 @@ class Supervisor:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
+        # NOTE: polled, not waited on in a thread: at interpreter exit (the offline LLM's
+        # atexit close) the default executor takes no new work.
         deadline = time.monotonic() + grace_s
         for p in procs:
-            try:
-                await asyncio.to_thread(p.wait, max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if p.poll() is None:
                 logger.warning("pid %d did not stop in %.0f s; killing it", p.pid, grace_s)
                 p.kill()
-                await asyncio.to_thread(p.wait, 5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(5)
 
     def kill_all_now(self) -> None:
         """Last resort when no event loop runs any more (interpreter exit)."""

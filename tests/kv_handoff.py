@@ -50,6 +50,7 @@ class HandOff:
                     assert o.finish_reason == "handoff", o
                     first = o.new_token_ids[-1]
             assert self.sender.after_step(outs) == []
+        assert self.sender.settle() == []  # the send lanes are done with every message
         assert first is not None and rid not in self.prefill.kv.handed_off
         return first
 
@@ -65,5 +66,6 @@ class HandOff:
         return done
 
     def close(self) -> None:
+        self.sender.close()
         self.tx.close()
         self.rx.close()

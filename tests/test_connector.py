@@ -293,7 +293,9 @@ def test_cleanup_stale_spares_the_living(prefix):
     live = make_connector("shm", name="live", header_type=Header, shm_prefix=prefix)
     dead_pid = _dead_pid()
     ns = seg.pid_namespace()
-    os.makedirs(os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x"), mode=0o700)
+    legacy = os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-ipc-x")
+    os.makedirs(legacy, mode=0o700)  # no owner lock (an older version's): judged by pid
+    os.utime(legacy, (time.time() - 3600,) * 2)  # once old enough (connector/owner.py)
     other = os.path.join(tempfile.gettempdir(), f"{prefix}{dead_pid}-someone-elses")
     os.makedirs(other, mode=0o700)  # not a socket dir of ours: never judged
     token = "00000000deadbeef"

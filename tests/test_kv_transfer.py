@@ -76,6 +76,7 @@ def _transfer(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int],
         assert p.after_step() == []
         assert d.on_data() == []
     assert _pump(d, lambda: rid in d.core.scheduler.requests) == []
+    assert p.sender.settle(10) == []  # the send lanes let go of every block
     assert len(tokens) == 1 and p_digest is not None
     req = d.core.scheduler.requests[rid]
     d_ids = d.core.kv.block_ids(rid)[:reserved.num_blocks]

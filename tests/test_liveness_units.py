@@ -101,6 +101,39 @@ def test_supervisor_kills_a_silent_worker(monkeypatch):
             w.proc.wait()
 
 
+def test_supervisor_kills_a_worker_stuck_in_one_step():
+    """A worker that heartbeats but has been inside one step past --max-step-seconds is
+    killed like a silent one; below it, or with the knob at 0, it is left alone."""
+    from triptych.config import EngineConfig
+
+    for off in (Supervisor("ipc:///x", None, lambda w, c: None, max_step_s=0.0),
+                Supervisor("ipc:///x", None, lambda w, c: None, max_step_s=5.0)):
+        w = WorkerHandle("colocated", 0, {})
+        w.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            w.state, w.last_seen, w.busy_s = "up", 100.0, 4.0  # heartbeating, in a step
+            off.workers.append(w)
+            off._stopping = True
+            off.check(100.2)
+            assert w.state == "up"
+            w.busy_s = 6.0
+            off.check(100.4)
+            assert w.state == ("up" if off.max_step_s == 0 else "stalled")
+            if off.max_step_s:
+                w.proc.wait(30)  # a hang guard
+                off.check(100.6)
+                assert w.state == "dead" and w.proc.returncode == -9
+        finally:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+    for name in ("max_step_seconds", "first_token_timeout"):
+        assert getattr(EngineConfig(model="x", **{name: 0}), name) == 0
+        for bad in (0.5, -1.0, float("nan")):
+            with pytest.raises(ValueError, match=name):
+                EngineConfig(model="x", **{name: bad})
+
+
 # -- a tensor-parallel rank's death is the worker's, not the request's ------------------------
 def test_rank_death_during_message_handling_ends_the_worker():
     from triptych.parallel.context import TPGroupError

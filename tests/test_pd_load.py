@@ -44,6 +44,7 @@ def test_a_waiting_request_keeps_its_lease(engines):
         # the request waits (not scheduled yet): a quarter lease later it is renewed
         assert link.sender.keepalive(time.monotonic()) == []  # too early: nothing sent
         assert link.sender.keepalive(time.monotonic() + 0.6) == [] and link.sender.keepalives == 1
+        assert link.sender.settle() == []
         assert link.receive() is None  # the empty chunk arrived, nothing completed
         # the reservation stands (without the renewal it expired here)
         assert link.receiver.expire(time.monotonic()) == []
@@ -99,7 +100,7 @@ def test_a_gone_decode_peer_costs_one_send_timeout(engines):
     link = HandOff(prefill.engine.core, decode.engine.core)
     tx = make_connector("tcp", name="pd-load-tx", header_type=wire.DataMsg,
                         send_timeout_ms=300)
-    link.sender.connector = tx
+    link.sender.lanes.connector = tx
     address = f"tcp://127.0.0.1:{free_port()}"  # a decode worker killed with -9: nobody there
     calls = []
     send = tx.send
@@ -112,7 +113,9 @@ def test_a_gone_decode_peer_costs_one_send_timeout(engines):
     try:
         for rid in ("g1", "g2", "g3"):
             link.sender.add(rid, wire.KVDest("decode", address, 4, 0))
-        failed = link.sender.keepalive(time.monotonic() + 100)
+        # the loop only queues: nothing failed yet, nothing waited for the peer
+        assert link.sender.keepalive(time.monotonic() + 100) == []
+        failed = link.sender.settle(10)
         assert failed == ["g1", "g2", "g3"]  # every request bound to it fails (retryable)
         assert calls == [address]  # but only the first waited for the peer
     finally:

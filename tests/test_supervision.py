@@ -121,6 +121,8 @@ def test_stale_run_dirs_of_dead_servers_are_removed(tmp_path):
 
     dead = subprocess_pid_that_exited()
     (tmp_path / f"triptych-{dead}-abc").mkdir()
+    hour_ago = time.time() - 3600  # (a dir without an owner lock: an older server's)
+    os.utime(tmp_path / f"triptych-{dead}-abc", (hour_ago, hour_ago))
     (tmp_path / f"triptych-{os.getpid()}-def").mkdir()  # a live server's: kept
     (tmp_path / "unrelated").mkdir()
     assert clean_stale(str(tmp_path)) == [f"triptych-{dead}-abc"]

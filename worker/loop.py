@@ -266,6 +266,8 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
         if handler.has_work():
             heartbeat.step_begins()
             try:
+                if spec.worker_id in _TEST_HANG_STEP:
+                    _hang_forever()
                 replies = handler.step()
             finally:
                 heartbeat.step_ends()
@@ -280,6 +282,18 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
         if now - last_stats >= STATS_INTERVAL_S:
             last_stats = now
             _send(sock, wire.WorkerStats(handler.stats()), spec)
+
+
+# TEST HOOK (tests/test_step_watchdog.py): the workers named here (comma-separated worker
+# ids such as "colocated-0#0") never return from their first step, as a hung kernel would,
+# while their heartbeat goes on. Nothing else reads it; unset, it costs one set lookup.
+_TEST_HANG_STEP = frozenset(filter(None, os.environ.get("TRIPTYCH_TEST_HANG_STEP", "").split(",")))
+
+
+def _hang_forever() -> None:
+    logger.warning("TRIPTYCH_TEST_HANG_STEP: this step never returns (a test hook)")
+    while True:
+        time.sleep(1.0)
 
 
 _fingerprints: dict[str, str] = {}
