@@ -58,6 +58,10 @@ def _check_ray_knobs(config: EngineConfig) -> None:
             raise ValueError("distributed_executor_backend=ray places every worker itself: "
                              "leave worker_address unset (Ray actors join over their own "
                              "CURVE socket)")
+        if config.kv_transfer not in ("auto", "tcp"):
+            raise ValueError("distributed_executor_backend=ray moves KV and embeddings over "
+                             "tcp with CURVE (workers may be on any node): kv_transfer must "
+                             "be auto or tcp")
         if config.mm_processor_cache_type == "shm":
             raise ValueError("mm_processor_cache_type=shm shares memory on one host; Ray "
                              "workers may run on other nodes: use lru")

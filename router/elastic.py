@@ -98,7 +98,7 @@ class PoolResizer:
             await r._sockets.send(w, wire.Shutdown())
             try:
                 await asyncio.to_thread(proc.wait, STOP_GRACE_S)
-            except Exception:  # subprocess.TimeoutExpired (a local process or an actor)
+            except Exception:  # noqa: BLE001 - TimeoutExpired (process or actor)
                 proc.kill()
         if r.backend is not None:
             await asyncio.to_thread(r.backend.release, w.name)

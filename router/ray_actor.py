@@ -70,10 +70,9 @@ class PoolWorkerActor:
     def run(self, spec_json: bytes, keys: dict[str, bytes]) -> int:
         import msgspec
         import ray
-        from triptych.worker.threads import thread_env
-
         from triptych.connector import cleanup_stale
         from triptych.router.supervisor import clean_stale
+        from triptych.worker.threads import thread_env
 
         clean_stale()  # key dirs and run dirs of dead processes on this node
         cleanup_stale()

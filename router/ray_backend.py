@@ -1,13 +1,12 @@
 """RayBackend: the router's pool workers as Ray actors (distributed_executor_backend=ray).
 
-    P0 (Ray driver)                                    Ray node chosen by the placement group
-    Router ── RouterSockets: ROUTER on tcp://<P0 node>:<port>, CURVE  <── DEALER (CURVE) ──┐
-           └─ Supervisor(launcher=RayBackend.launch)                                      │
-                 spawn(worker) -> placement group (one bundle: the TP group) ->           │
-                                  PoolWorkerActor.run(spec) ── worker/loop.py run_worker ─┘
-                 watch: RayProc.poll() = is the actor's run() call finished or failed
-                        (actor death, node loss: Ray's own notification), besides the
-                        heartbeat silence every worker is watched for
+    P0 (Ray driver)                                 a node the placement group chose
+    Router: ROUTER tcp://<P0 node>:<port>, CURVE  <--- DEALER, CURVE --- PoolWorkerActor
+    Supervisor(launcher=RayBackend.launch)                              run_worker(spec)
+      spawn: placement group (one bundle: the TP group) -> actor -> actor.run(spec)
+      watch: RayProc.poll() = has the actor's run() call ended or failed (actor death,
+             node loss: Ray's own notification), beside the heartbeat silence every
+             worker is watched for
 
 Each worker is a Ray actor (``router/ray_actor.py``) in a placement group of its own with
 one bundle: the group's ranks (TP ranks are the actor's own subprocesses, so the group is
@@ -122,7 +121,7 @@ class RayProc:
             self.returncode = -9
         try:
             ray.kill(self.actor, no_restart=True)
-        except Exception as e:  # already gone (its node lost): nothing left to kill
+        except Exception as e:  # noqa: BLE001 - gone with its node
             logger.debug("ray.kill(%s): %s", self._handle.identity, e)
 
 
@@ -239,13 +238,13 @@ class RayBackend:
         if proc is not None:
             try:
                 proc.kill()
-            except Exception as e:  # an actor already gone, a node already lost
+            except Exception as e:  # noqa: BLE001 - gone with its node
                 logger.debug("killing %s's actor: %s", name, e)
         pg = self._pgs.pop(name, None)
         if pg is not None:
             try:
                 ray.util.remove_placement_group(pg)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 logger.debug("removing %s's placement group: %s", name, e)
 
     def close(self) -> None:
@@ -277,7 +276,7 @@ async def stop_gracefully(send: Callable[[], Any]) -> None:
     """Run one Shutdown send (a coroutine factory) on the event loop."""
     try:
         await send()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         logger.debug("Shutdown not sent: %s", e)
 
 

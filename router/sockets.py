@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
 from typing import TYPE_CHECKING
 
 import msgspec
