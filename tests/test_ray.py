@@ -5,9 +5,9 @@ resource. One cluster and one 1e1p1d server for the module, the tests in order:
   parity      greedy tokens equal HF's; /health names each worker's node, the pinned one
   grow        decode 1 -> 2 over POST /admin/pools: the new worker (on the other decode
               node) takes requests
-  node lost   the node of the decode worker holding a stream is removed mid-stream: the
-              stream goes on with unchanged greedy text; the worker comes back on a node
-              added afterwards
+  node lost   the node of the decode worker holding a stream is removed mid-stream, then
+              the prefill node under another stream: both streams go on with unchanged
+              greedy tokens; both workers come back on nodes added afterwards
   shrink      decode 2 -> 1 under load: every request succeeds, the drained worker and its
               placement group are gone
   SIGTERM     no actor, placement group or process of the server is left
@@ -161,42 +161,75 @@ def test_growing_decode_takes_requests_on_the_new_worker(server, cluster):
     assert served["decode-1"] >= 1, served
 
 
-def test_losing_a_decode_node_mid_stream(server, cluster):
-    c, nodes = cluster
-    msgs = user(text_part("Write a long story."))
-    want = _ask(server, msgs, 200)
+def _stream_while(server: ServerProc, msgs: list[dict], max_tokens: int, after: int,
+                  act) -> list[int]:
+    """Stream a greedy answer; once ``after`` tokens arrived, ``act()``; the token ids."""
     client = server.openai_client(timeout=180)
     got: list[int] = []
-    first = threading.Event()
+    started = threading.Event()
 
     def stream() -> None:
         for chunk in client.chat.completions.create(
-                model="tiny", messages=msgs, temperature=0, max_tokens=200, stream=True,
-                extra_body={"ignore_eos": True, "return_token_ids": True}):
+                model="tiny", messages=msgs, temperature=0, max_tokens=max_tokens,
+                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}):
             if chunk.choices:
                 got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
-                first.set()
+                if len(got) >= after:
+                    started.set()
 
-    migrations = server.metric("triptych:request_migrations_total")
     with cf.ThreadPoolExecutor(1) as ex:
         done = ex.submit(stream)
-        assert first.wait(120)
+        assert started.wait(120)
+        act()
+        done.result(timeout=180)
+    return got
+
+
+def _node_of(nodes: dict, worker: dict) -> str:
+    return next(k for k, n in nodes.items() if n.node_id == worker["node"]["node_id"])
+
+
+def test_losing_nodes_mid_stream(server, cluster):
+    """The decode node of a stream, then the prefill node under another: both streams end
+    with the undisturbed greedy tokens; both workers come back on nodes added after."""
+    c, nodes = cluster
+    msgs = user(text_part("Write a long story."))
+    want = _ask(server, msgs, 200)
+    migrations = server.metric("triptych:request_migrations_total")
+    lost: dict[str, dict] = {}
+
+    def lose_decode() -> None:
         holder = wait_for(lambda: next((w for w in _up(server, "decode") if w["requests"]),
                                        None), "the decode worker holding the stream")
-        lost = next(k for k, n in nodes.items() if n.node_id == holder["node"]["node_id"])
-        c.remove_node(nodes.pop(lost))
-        done.result(timeout=180)
-    assert got == want  # the stream went on, from the tokens already streamed
+        lost["decode"] = holder
+        c.remove_node(nodes.pop(_node_of(nodes, holder)))
+
+    assert _stream_while(server, msgs, 200, 1, lose_decode) == want
     assert server.metric("triptych:request_migrations_total") > migrations
-    # the worker waits for a node with the resource; one joins and it comes back there
-    nodes[lost + "b"] = c.add_node(num_cpus=1, resources={"dec_node": 1})
-    w = wait_for(lambda: next((w for w in _up(server, "decode")
-                               if w["name"] == holder["name"]), None),
-                 "the lost worker back on the new node", timeout=180)
-    assert w["node"]["node_id"] == nodes[lost + "b"].node_id and w["restarts"] >= 1
+    nodes["dec3"] = c.add_node(num_cpus=1, resources={"dec_node": 1})  # its worker waits
+
+    def lose_prefill() -> None:
+        (prefill,) = _up(server, "prefill")
+        lost["prefill"] = prefill
+        c.remove_node(nodes.pop(_node_of(nodes, prefill)))
+
+    # the stream is in its decode worker's hands: the prefill node's loss does not touch it
+    assert _stream_while(server, msgs, 200, 8, lose_prefill) == want
+    nodes["pre2"] = c.add_node(num_cpus=1, resources={"pre_node": 1})
+    for pool, node in (("decode", "dec3"), ("prefill", "pre2")):
+        name = lost[pool]["name"]
+        w = wait_for(lambda pool=pool, name=name: next(
+            (w for w in _up(server, pool) if w["name"] == name), None),
+                     f"{name} back on the new node", timeout=180)
+        assert w["node"]["node_id"] == nodes[node].node_id and w["restarts"] >= 1
+    assert _ask(server, msgs, 200) == want  # through the replaced prefill worker
 
 
 def test_shrinking_drains_without_a_failed_request(server):
+    for body in ({"pool": "vision", "workers": 1}, {"pool": "decode", "workers": 0},
+                 {"pool": "decode", "workers": "2"}):
+        r = httpx.post(server.base + "/admin/pools", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("pool", "workers")
     want = _ask(server, TEXT, 60)
     with cf.ThreadPoolExecutor(4) as ex:
         asks = [ex.submit(_ask, server, TEXT, 60) for _ in range(4)]
@@ -230,23 +263,31 @@ def test_sigterm_leaves_no_actor_or_placement_group(server):
              "every worker actor gone")
 
 
-def _serve_fails(model: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.run([sys.executable, "-m", "triptych", "serve", "--model", model,
-                        "--decode-workers", "1", "--distributed-executor-backend", "ray",
-                        *args], check=False, capture_output=True, text=True, timeout=120,
-                       env=env)
-    assert p.returncode == 2, p.stderr[-3000:]
-    return p.stderr.strip().splitlines()[-1]
-
-
-def test_missing_resources_and_unreachable_cluster_fail_in_one_line(cluster, tiny_qwen2_vl):
+def test_missing_resources_fail_in_one_line(cluster, tiny_qwen2_vl):
     c, _ = cluster
-    line = _serve_fails(tiny_qwen2_vl, "--ray-address", c.address, "--decode-resources",
-                        _res("gpu_node"))
-    assert line.startswith("triptych: error: ") and "gpu_node" in line \
-        and "--decode-resources" in line, line
-    from server_fixtures import free_port
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.run([sys.executable, "-m", "triptych", "serve", "--model", tiny_qwen2_vl,
+                        "--decode-workers", "1", "--distributed-executor-backend", "ray",
+                        "--ray-address", c.address, "--decode-resources", _res("gpu_node")],
+                       check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("triptych: error: the Ray cluster cannot place decode worker") \
+        and "gpu_node" in line and "--decode-resources" in line, line
 
-    line = _serve_fails(tiny_qwen2_vl, "--ray-address", f"127.0.0.1:{free_port()}")
-    assert line.startswith("triptych: error: cannot reach the Ray cluster"), line
+
+def test_an_unreachable_cluster_fails_at_start(tiny_qwen2_vl):
+    import asyncio
+
+    from server_fixtures import free_port
+    from transformers import AutoTokenizer
+    from triptych.config import EngineConfig
+    from triptych.router.errors import ClusterError
+    from triptych.router.router import Router
+
+    address = f"127.0.0.1:{free_port()}"
+    config = EngineConfig(model=tiny_qwen2_vl, decode_workers=1, ray_address=address,
+                          distributed_executor_backend="ray")
+    router = Router(config, AutoTokenizer.from_pretrained(tiny_qwen2_vl))
+    with pytest.raises(ClusterError, match=f"cannot reach the Ray cluster at {address}"):
+        asyncio.run(router.start())
