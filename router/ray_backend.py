@@ -145,6 +145,11 @@ class RayBackend:
         address = self.config.ray_address
         if address is None and os.environ.get("RAY_ADDRESS"):
             address = "auto"
+        if ray.is_initialized() and address not in (None, "auto", "local"):
+            joined = ray.get_runtime_context().gcs_address
+            if address.removeprefix("ray://") != joined:
+                raise ClusterError(f"this process is a driver of the Ray cluster at {joined} "
+                                   f"already; it cannot join {address} (--ray-address)")
         if not ray.is_initialized():
             if address not in (None, "auto", "local") and not address.startswith("ray://"):
                 _check_reachable(address)

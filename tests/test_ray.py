@@ -122,6 +122,27 @@ def _ask(s: ServerProc, msgs: list[dict], max_tokens: int = MAX_TOKENS) -> list[
     return r.choices[0].model_extra["token_ids"]
 
 
+def test_an_unreachable_cluster_fails_at_start(tiny_qwen2_vl):
+    """First in the module: this process is no Ray driver yet."""
+    import asyncio
+
+    from server_fixtures import free_port
+    from transformers import AutoTokenizer
+    from triptych.config import EngineConfig
+    from triptych.router.errors import ClusterError
+    from triptych.router.router import Router
+
+    address = f"127.0.0.1:{free_port()}"
+    config = EngineConfig(model=tiny_qwen2_vl, decode_workers=1, ray_address=address,
+                          distributed_executor_backend="ray")
+    router = Router(config, AutoTokenizer.from_pretrained(tiny_qwen2_vl))
+    try:
+        with pytest.raises(ClusterError, match=f"cannot reach the Ray cluster at {address}"):
+            asyncio.run(router.start())
+    finally:
+        asyncio.run(router.shutdown())
+
+
 TEXT = user(text_part("Tell me a story about a cat."))
 
 
@@ -276,18 +297,19 @@ def test_missing_resources_fail_in_one_line(cluster, tiny_qwen2_vl):
         and "gpu_node" in line and "--decode-resources" in line, line
 
 
-def test_an_unreachable_cluster_fails_at_start(tiny_qwen2_vl):
-    import asyncio
-
-    from server_fixtures import free_port
-    from transformers import AutoTokenizer
+def test_ray_knobs_are_checked_before_anything_starts():
     from triptych.config import EngineConfig
-    from triptych.router.errors import ClusterError
-    from triptych.router.router import Router
 
-    address = f"127.0.0.1:{free_port()}"
-    config = EngineConfig(model=tiny_qwen2_vl, decode_workers=1, ray_address=address,
-                          distributed_executor_backend="ray")
-    router = Router(config, AutoTokenizer.from_pretrained(tiny_qwen2_vl))
-    with pytest.raises(ClusterError, match=f"cannot reach the Ray cluster at {address}"):
-        asyncio.run(router.start())
+    ok = EngineConfig(model="m", decode_workers=1, distributed_executor_backend="ray",
+                      decode_resources='{"dec_node": 0.5}')
+    assert ok.decode_resources == {"dec_node": 0.5}
+    for bad, what in (
+            ({"distributed_executor_backend": "slurm"}, "mp or ray"),
+            ({"decode_resources": '{"dec_node": 1}'}, "needs distributed_executor_backend=ray"),
+            ({"distributed_executor_backend": "ray", "decode_resources": "[1]"}, "JSON object"),
+            ({"distributed_executor_backend": "ray", "decode_resources": '{"x": -1}'},
+             "non-negative"),
+            ({"distributed_executor_backend": "ray", "kv_transfer": "shm"}, "auto or tcp"),
+            ({"ray_address": "10.0.0.1:6379"}, "needs distributed_executor_backend=ray")):
+        with pytest.raises(ValueError, match=what):
+            EngineConfig(model="m", decode_workers=1, **bad)
