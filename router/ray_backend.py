@@ -25,10 +25,13 @@ this server started its own Ray, stops it.
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
+import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +46,7 @@ from triptych.worker.loop import WorkerSpec
 
 logger = logging.getLogger("triptych.ray")
 CHECK_CONNECT_S = 5.0  # an explicit cluster address must answer a TCP connect this fast
+RAY_SESSION_FILE = "ray-session"  # in the run dir: the session of the Ray this server started
 
 
 def pool_bundle(config: EngineConfig, pool: str, tp: int) -> tuple[dict[str, float], int]:
@@ -151,6 +155,8 @@ class RayBackend:
                 raise ClusterError(f"this process is a driver of the Ray cluster at {joined} "
                                    f"already; it cannot join {address} (--ray-address)")
         if not ray.is_initialized():
+            if address in (None, "local"):
+                reap_orphans()
             if address not in (None, "auto", "local") and not address.startswith("ray://"):
                 _check_reachable(address)
             elif address == "auto" and os.environ.get("RAY_ADDRESS", "").count(":") == 1:
@@ -202,6 +208,15 @@ class RayBackend:
                         f"node has that left (resources offered: {', '.join(offered)})")
                 for k, v in bundle.items():
                     node[k] -= v
+
+    def note_session(self, run_dir: str) -> None:
+        """Write the session dir of the Ray this server started into its run dir: if the
+        server is killed, the next one reaps what that Ray left (``reap_orphans``)."""
+        sessions = glob.glob(os.path.join(tempfile.gettempdir(), "ray",
+                                          f"session_*_{os.getpid()}"))
+        if self.started_ray and sessions:
+            with open(os.path.join(run_dir, RAY_SESSION_FILE), "w") as f:
+                f.write(max(sessions, key=os.path.getmtime))
 
     def router_keys(self) -> tuple[Keys, list[bytes]]:
         """The router socket's keypair and the client keys it admits."""
@@ -262,6 +277,40 @@ class RayBackend:
             self.release(name)
         if self.started_ray:
             ray.shutdown()
+
+
+def reap_orphans(tmp: str | None = None) -> list[int]:
+    """Ray processes a killed server's own Ray left behind. Ray ends its GCS, raylets and
+    the job's actors with the driver that started them, but its per-node agents may stay,
+    orphaned: those of this user (parent pid 1) with a file open in the session dir a dead
+    server noted in its run dir are killed, by pid."""
+    from triptych.connector.segments import pid_alive
+    from triptych.router.supervisor import RUN_DIR_PREFIX
+
+    tmp = tmp or tempfile.gettempdir()
+    sessions = []
+    for marker in glob.glob(os.path.join(tmp, f"{RUN_DIR_PREFIX}*", RAY_SESSION_FILE)):
+        pid = os.path.basename(os.path.dirname(marker)).split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with open(marker) as f:
+                sessions.append(f.read().strip() + "/")
+    killed = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if sessions else ():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != 1 or os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                continue
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(tuple(sessions))
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    if killed:
+        logger.warning("killed %d Ray processes a killed server's Ray left behind (pids %s)",
+                       len(killed), killed)
+    return killed
 
 
 def _check_reachable(address: str) -> None:

@@ -100,7 +100,6 @@ class Router:
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Bind the sockets, start every local worker and wait until all said hello."""
-        self._dir = make_run_dir()
         launcher, curve = None, None
         if self.config.distributed_executor_backend == "ray":
             from triptych.router.ray_backend import RayBackend
@@ -109,11 +108,13 @@ class Router:
             try:
                 await asyncio.to_thread(self.backend.connect)  # ClusterError: one line
             except BaseException:
-                shutil.rmtree(self._dir, ignore_errors=True)
                 self._closed = True
                 raise
             launcher = self.backend.launch
             curve = (self.backend.host, *self.backend.router_keys())
+        self._dir = make_run_dir()
+        if self.backend is not None:
+            self.backend.note_session(self._dir)
         self._sockets = sockets = RouterSockets(self._dir, curve)
         logger.info("router listening (%s); sockets in %s", self.layout, self._dir)
         streamed = self.outputs.token_ids
