@@ -25,13 +25,10 @@ this server started its own Ray, stops it.
 from __future__ import annotations
 
 import asyncio
-import glob
 import logging
 import os
-import signal
 import socket
 import subprocess
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -42,11 +39,11 @@ from triptych.connector.auth import Keys
 from triptych.router.errors import ClusterError
 from triptych.router.handle import WorkerHandle
 from triptych.router.layout import Layout
+from triptych.router.ray_reaper import note_session, reap_orphans
 from triptych.worker.loop import WorkerSpec
 
 logger = logging.getLogger("triptych.ray")
 CHECK_CONNECT_S = 5.0  # an explicit cluster address must answer a TCP connect this fast
-RAY_SESSION_FILE = "ray-session"  # in the run dir: the session of the Ray this server started
 
 
 def pool_bundle(config: EngineConfig, pool: str, tp: int) -> tuple[dict[str, float], int]:
@@ -210,13 +207,9 @@ class RayBackend:
                     node[k] -= v
 
     def note_session(self, run_dir: str) -> None:
-        """Write the session dir of the Ray this server started into its run dir: if the
-        server is killed, the next one reaps what that Ray left (``reap_orphans``)."""
-        sessions = glob.glob(os.path.join(tempfile.gettempdir(), "ray",
-                                          f"session_*_{os.getpid()}"))
-        if self.started_ray and sessions:
-            with open(os.path.join(run_dir, RAY_SESSION_FILE), "w") as f:
-                f.write(max(sessions, key=os.path.getmtime))
+        """A Ray this server started: its session, noted for the next server (reaper)."""
+        if self.started_ray:
+            note_session(run_dir)
 
     def router_keys(self) -> tuple[Keys, list[bytes]]:
         """The router socket's keypair and the client keys it admits."""
@@ -277,40 +270,6 @@ class RayBackend:
             self.release(name)
         if self.started_ray:
             ray.shutdown()
-
-
-def reap_orphans(tmp: str | None = None) -> list[int]:
-    """Ray processes a killed server's own Ray left behind. Ray ends its GCS, raylets and
-    the job's actors with the driver that started them, but its per-node agents may stay,
-    orphaned: those of this user (parent pid 1) with a file open in the session dir a dead
-    server noted in its run dir are killed, by pid."""
-    from triptych.connector.segments import pid_alive
-    from triptych.router.supervisor import RUN_DIR_PREFIX
-
-    tmp = tmp or tempfile.gettempdir()
-    sessions = []
-    for marker in glob.glob(os.path.join(tmp, f"{RUN_DIR_PREFIX}*", RAY_SESSION_FILE)):
-        pid = os.path.basename(os.path.dirname(marker)).split("-")[1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            with open(marker) as f:
-                sessions.append(f.read().strip() + "/")
-    killed = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if sessions else ():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != 1 or os.stat(f"/proc/{pid}").st_uid != os.getuid():
-                continue
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(tuple(sessions))
-                   for fd in os.listdir(f"/proc/{pid}/fd")):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-    if killed:
-        logger.warning("killed %d Ray processes a killed server's Ray left behind (pids %s)",
-                       len(killed), killed)
-    return killed
 
 
 def _check_reachable(address: str) -> None:
