@@ -27,6 +27,48 @@ def parse_size(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+RESOURCE_KNOBS = ("encode_resources", "prefill_resources", "decode_resources")
+
+
+def _check_ray_knobs(config: EngineConfig) -> None:
+    """distributed_executor_backend and the per-pool Ray resources (JSON text -> dict)."""
+    if config.distributed_executor_backend not in ("mp", "ray"):
+        raise ValueError("distributed_executor_backend must be mp or ray, got "
+                         f"{config.distributed_executor_backend!r}")
+    for name in RESOURCE_KNOBS:
+        value = getattr(config, name)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} must be a JSON object such as "
+                                 f"'{{\"vision_node\": 1}}', got {getattr(config, name)!r}")
+            object.__setattr__(config, name, value)
+        if value is not None and (not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and 0 <= v < float("inf")
+                for k, v in value.items())):
+            raise ValueError(f"{name}: resource names to non-negative numbers, got {value!r}")
+        if value and config.distributed_executor_backend != "ray":
+            raise ValueError(f"{name} asks Ray for resources: it needs "
+                             "distributed_executor_backend=ray")
+    if config.distributed_executor_backend == "ray":
+        if config.worker_address is not None:
+            raise ValueError("distributed_executor_backend=ray places every worker itself: "
+                             "leave worker_address unset (Ray actors join over their own "
+                             "CURVE socket)")
+        if config.kv_transfer not in ("auto", "tcp"):
+            raise ValueError("distributed_executor_backend=ray moves KV and embeddings over "
+                             "tcp with CURVE (workers may be on any node): kv_transfer must "
+                             "be auto or tcp")
+        if config.mm_processor_cache_type == "shm":
+            raise ValueError("mm_processor_cache_type=shm shares memory on one host; Ray "
+                             "workers may run on other nodes: use lru")
+    elif config.ray_address is not None:
+        raise ValueError("ray_address needs distributed_executor_backend=ray")
+
+
 # vLLM's name -> ours, where they differ (the CLI takes both spellings too, see cli.py)
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
 
@@ -75,9 +117,15 @@ class EngineConfig:
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
     cpu_gemm: str = "onednn"  # fp32 linear layers on the CPU: onednn runs them on weights packed once at load (2-3x faster GEMMs than torch's MKL path, measured on AMD EPYC; each GEMM uses the threads its size pays for) | torch keeps F.linear
     quantization: str | None = None  # int8: the CPU linear layers' weights and the LM head in 8 bits (per-channel, fbgemm's dynamic int8 GEMM; a quarter of fp32's bytes; quality cost in docs/performance.md); CPU only, needs cpu_gemm onednn
+    distributed_executor_backend: str = "mp"  # how pool workers are started: mp (local processes, watched by this server) | ray (each worker a Ray actor in a placement group of the cluster at --ray-address; see docs/ray.md)
+    ray_address: str | None = None  # distributed_executor_backend=ray: the cluster to join (default: auto when RAY_ADDRESS is set, else a Ray started for this server alone)
+    encode_resources: dict[str, float] | str | None = None  # distributed_executor_backend=ray: JSON resources each encode worker asks of Ray on top of one CPU per rank (GPU per rank with --device cuda), e.g. '{"vision_node": 1}' to pin the pool to nodes started with that custom resource; "CPU"/"GPU" given here are per rank
+    prefill_resources: dict[str, float] | str | None = None  # the same for each prefill worker
+    decode_resources: dict[str, float] | str | None = None  # the same for each decode (or colocated) worker
     cpu_threads: int | None = None  # torch CPU threads of each engine process (default: one engine takes OMP_NUM_THREADS or every core; pool workers and replicas split this host's cores)
 
     def __post_init__(self) -> None:
+        _check_ray_knobs(self)
         if isinstance(self.limit_mm_per_prompt, str):
             object.__setattr__(self, "limit_mm_per_prompt", json.loads(self.limit_mm_per_prompt))
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

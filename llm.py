@@ -55,7 +55,8 @@ class LLM:
         self.engine: LLMEngine | None = None
         self.pools = None  # RouterThread when the work runs in worker processes
         self._local_pixels = None  # the processor cache of the in-process engine
-        in_process = self.layout.in_process
+        # NOTE: with Ray even one colocated engine is an actor (placed by the cluster)
+        in_process = self.layout.in_process and self.config.distributed_executor_backend == "mp"
         if in_process:
             self.engine = LLMEngine(self.config)
             tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len

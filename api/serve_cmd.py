@@ -139,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
     tenants = _tenants(args)
     model, name = served_model(args, model)
     config = engine_config_from_args(args, model=model)
+    from triptych.router.errors import ClusterError
+
     try:
         asyncio.run(_serve(args, config, model, name, tenants))
+    except ClusterError as e:  # Ray unreachable, or short of what the pools ask: one line
+        fail(str(e))
     except KeyboardInterrupt:
         # NOTE: uvicorn re-raises the SIGINT it handled once it has shut down cleanly;
         # asyncio.run turns that into CancelledError + KeyboardInterrupt. Ctrl-C is how a

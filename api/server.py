@@ -136,6 +136,10 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
                        protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)
 
+    from triptych.api.admin import add_admin_routes
+
+    add_admin_routes(app, client)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         h = client.health()  # degraded (some workers down, every pool served) is still 200

@@ -124,15 +124,24 @@ def run_layouts(args: argparse.Namespace) -> int:
     from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
 
     model = args.serve_model or tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
-    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    for n in names:
+    layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    for n in layouts:
         layout_flags(n)  # fail before starting anything
+    backends = [b.strip() for b in
+                getattr(args, "distributed_executor_backend", "mp").split(",") if b.strip()]
+    if not backends or set(backends) - {"mp", "ray"}:
+        raise SystemExit("--distributed-executor-backend: mp, ray or mp,ray")
+    # each layout under each backend: "1e1p1d" (mp alone) or "1e1p1d@ray"
+    names = {(n if backends == ["mp"] else f"{n}@{b}"): (n, b)
+             for n in layouts for b in backends}
     report: dict[str, dict] = {}
     logs = output_path(args, "bench_layouts_logs")
     os.makedirs(logs, exist_ok=True)
-    for name in names:
+    for name, (layout, backend) in names.items():
         print(f"== layout {name}", flush=True)
-        flags = layout_flags(name) + shlex.split(args.serve_args)
+        flags = layout_flags(layout) + shlex.split(args.serve_args)
+        if backend != "mp":
+            flags += ["--distributed-executor-backend", backend]
         with serving(model, flags, os.path.join(logs, f"{name}.log")) as base:
             warmup(args, base)
             before = _metrics(base)
@@ -156,14 +165,14 @@ def run_layouts(args: argparse.Namespace) -> int:
 
 
 def _table(report: dict[str, dict]) -> None:
-    head = (f"{'layout':10} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'goodput':>7} "
+    head = (f"{'layout':14} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'goodput':>7} "
             f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'KV B/req':>9} {'KV ms/req':>9} "
             f"{'emb B/req':>9}")
     print(head)
     for name, rep in report.items():
         t = rep["transfer"]
         for r in rep["results"]:
-            print(f"{name:10} {r['request_rate']:>5g} {r['request_throughput']:6.2f} "
+            print(f"{name:14} {r['request_rate']:>5g} {r['request_throughput']:6.2f} "
                   f"{r['output_tokens_per_s']:7.1f} {r['goodput']:7.2f} "
                   f"{r.get('ttft_p50_ms', math.nan):8.0f}/{r.get('ttft_p99_ms', math.nan):<8.0f} "
                   f"{r.get('itl_p50_ms', math.nan):7.1f}/{r.get('itl_p99_ms', math.nan):<7.1f} "

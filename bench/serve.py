@@ -34,6 +34,10 @@ def add_parser(subparsers: Any) -> None:
                    help="with --layouts: checkpoint to serve (default: the tiny demo one)")
     p.add_argument("--serve-args", default="",
                    help="with --layouts: extra `triptych serve` flags for every layout")
+    p.add_argument("--distributed-executor-backend", default="mp",
+                   help="with --layouts: how the servers start their workers: mp, ray, or "
+                        "mp,ray to run every layout under both (Ray: the cluster at "
+                        "RAY_ADDRESS, else one started per server; docs/ray.md)")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
     p.add_argument("--request-rate", default="inf",

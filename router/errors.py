@@ -8,3 +8,8 @@ class EngineDeadError(RuntimeError):
 
 class Retry(Exception):
     """This attempt of a child cannot go on; run it again (counts as a migration)."""
+
+
+class ClusterError(RuntimeError):
+    """The cluster engine (Ray) cannot be reached or cannot hold the layout: one line,
+    naming what is missing, before any worker starts."""

@@ -52,6 +52,13 @@ class WorkerRegistry:
         self._by_name[w.name] = w
         return w
 
+    def remove(self, w: WorkerHandle) -> None:
+        """A worker slot the pool no longer has (shrunk: router/elastic.py)."""
+        if w in self.workers:
+            self.workers.remove(w)
+        if self._by_name.get(w.name) is w:
+            del self._by_name[w.name]
+
     def current(self, ident: str, remote: bool) -> WorkerHandle | None:
         """The worker whose current incarnation is ``ident`` on that socket, else None (an
         old incarnation's late message, or not one of ours)."""

@@ -95,12 +95,28 @@ class Router:
         self.supervisor: Supervisor | None = None
         self.migration: Migration | None = None  # these need the sockets (start)
         self._sockets: RouterSockets | None = None
+        self._resizer: Any = None  # PoolResizer, once a pool was resized
+        self.backend: Any = None  # RayBackend with distributed_executor_backend=ray
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Bind the sockets, start every local worker and wait until all said hello."""
+        launcher, curve = None, None
+        if self.config.distributed_executor_backend == "ray":
+            from triptych.router.ray_backend import RayBackend
+
+            self.backend = RayBackend(self.config, self.layout)
+            try:
+                await asyncio.to_thread(self.backend.connect)  # ClusterError: one line
+            except BaseException:
+                self._closed = True
+                raise
+            launcher = self.backend.launch
+            curve = (self.backend.host, *self.backend.router_keys())
         self._dir = make_run_dir()
-        self._sockets = sockets = RouterSockets(self._dir)
+        if self.backend is not None:
+            self.backend.note_session(self._dir)
+        self._sockets = sockets = RouterSockets(self._dir, curve)
         logger.info("router listening (%s); sockets in %s", self.layout, self._dir)
         streamed = self.outputs.token_ids
         dispatcher = Dispatcher(self.layout, self.config.kv_transfer_timeout, self.registry,
@@ -111,7 +127,13 @@ class Router:
         self.supervisor = Supervisor(sockets.address, self.tokenizer.eos_token_id,
                                      self._on_worker_exit, shm_ring=self.pixels.ring_name,
                                      heartbeat_timeout_s=self.config.worker_heartbeat_timeout,
-                                     max_step_s=self.config.max_step_seconds)
+                                     max_step_s=self.config.max_step_seconds,
+                                     launcher=launcher)
+        if self.backend is not None:
+            from triptych.router.ray_backend import shutdown_sender
+
+            self.backend.send_shutdown = shutdown_sender(
+                asyncio.get_running_loop(), lambda w: sockets.send(w, wire.Shutdown()))
         config = dataclasses.asdict(self.config)
         threads = iter(self._threads)
         for pool, n in self.layout.pools.items():
@@ -140,8 +162,12 @@ class Router:
         self._closed = True
         for r in list(self.requests.requests.values()):
             r.queue.put_nowait(EngineDeadError("the server is shutting down"))
+        if self._resizer is not None:
+            await self._resizer.close()
         if self.supervisor:
             await self.supervisor.stop_all()
+        if self.backend is not None:
+            await asyncio.to_thread(self.backend.close)  # actors, placement groups, Ray
         self.registry.stop_remote()
         for t in self._tasks:
             t.cancel()
@@ -165,6 +191,21 @@ class Router:
         self.migration.on_worker_exit(worker)
 
     # -- the interface --------------------------------------------------------------------
+    async def resize_pool(self, pool: str, workers: int) -> dict[str, Any]:
+        """Grow or shrink ``pool`` to ``workers`` (router/elastic.py); ValueError if the
+        request is not possible."""
+        if not self._started or self._closed:
+            raise EngineDeadError("the router is not running")
+        if self._resizer is None:
+            from triptych.router.elastic import PoolResizer
+            self._resizer = PoolResizer(self)
+        return self._resizer.resize(pool, workers)
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's workers, draining ones not counted."""
+        return {p: sum(w.state not in ("draining", "stopped") for w in self.registry.pool(p))
+                for p in self.layout.pools}
+
     def alive(self) -> bool:
         return not self._closed and all(self.registry.live(p) for p in self.layout.pools)
 
@@ -187,7 +228,8 @@ class Router:
                  "restarts": w.restarts, "remote": w.remote is not None, "served": w.served,
                  "requests": len(self.requests.on(w)),
                  "silent_s": round(now - w.last_seen, 1) if w.up else None,
-                 "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None}
+                 "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None,
+                 "node": getattr(w.proc, "node", None)}
                 for w in ws]}
         stalled = [w.name for w in self.registry.workers if w.state == "stalled"]
         slow = [w.name for w in self.registry.workers
@@ -195,8 +237,9 @@ class Router:
         supervisor = self.supervisor.health() if self.supervisor else {"state": "ok"}
         if self._closed or any(p["live"] == 0 for p in pools.values()):
             status = "unavailable"
-        elif supervisor["state"] != "ok" or \
-                any(p["live"] < len(p["workers"]) for p in pools.values()):
+        elif supervisor["state"] != "ok" or any(
+                p["live"] < sum(w["state"] != "draining" for w in p["workers"])
+                for p in pools.values()):
             status = "degraded"
         else:
             status = "ok"

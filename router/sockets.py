@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
 from triptych.router.handle import WorkerHandle
 from triptych.worker import wire
+
+if TYPE_CHECKING:
+    from triptych.connector.auth import Keys
 
 logger = logging.getLogger("triptych.router")
 SEND_TIMEOUT_S = 5.0
@@ -30,15 +34,27 @@ def _router_socket(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
 
 
 class RouterSockets:
-    def __init__(self, run_dir: str) -> None:
-        """Bind the local socket in ``run_dir`` (its address: ``self.address``)."""
+    def __init__(self, run_dir: str, curve: tuple[str, Keys, list[bytes]] | None = None
+                 ) -> None:
+        """Bind the local socket in ``run_dir`` (its address: ``self.address``). With
+        ``curve`` (host, the router's keys, the client keys it admits) the workers the
+        supervisor starts are Ray actors on any node: the socket is tcp on that host,
+        CURVE only (router/ray_backend.py)."""
         self.ctx = zmq.asyncio.Context()
         self.local = _router_socket(self.ctx)
-        self.address = f"ipc://{run_dir}/router"
-        self.local.bind(self.address)
         self.remote: zmq.asyncio.Socket | None = None
         self.key_names: dict[str, str] = {}  # public key (z85) -> node name
-        self._auth = None
+        self._auth = self._local_auth = None
+        if curve is None:
+            self.address = f"ipc://{run_dir}/router"
+            self.local.bind(self.address)
+        else:
+            from triptych.connector.auth import secure_server
+
+            host, keys, allowed = curve
+            self._local_auth = secure_server(self.local, keys, allowed)
+            self.local.bind(f"tcp://{host}:0")
+            self.address = self.local.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def open_remote(self, address: str, keys_dir: str) -> None:
         """The registration socket for workers on other hosts: CURVE only, bound where the
@@ -76,6 +92,8 @@ class RouterSockets:
     def close(self) -> None:
         """Close both sockets and the context (nothing queued is sent)."""
         self.local.close(0)
+        if self._local_auth is not None:
+            self._local_auth.close()
         if self.remote is not None:
             self.remote.close(0)
             self._auth.close()

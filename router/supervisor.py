@@ -81,7 +81,12 @@ def remove_run_dir(path: str) -> None:
 class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
                  on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
-                 heartbeat_timeout_s: float = 10.0, max_step_s: float = 0.0) -> None:
+                 heartbeat_timeout_s: float = 10.0, max_step_s: float = 0.0,
+                 launcher: Callable[[WorkerHandle, WorkerSpec], object] | None = None) -> None:
+        """``launcher(worker, spec)``: starts the worker elsewhere (a Ray actor,
+        router/ray_backend.py) and returns a process-like handle; default: a local
+        process."""
+        self.launcher = launcher
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_step_s = max_step_s  # a step longer than this is hung (0: never)
         self._last_round = 0.0  # monotonic time of the watch's previous round
@@ -107,6 +112,12 @@ class Supervisor:
                           config=w.config, eos_token_id=self.eos_token_id,
                           parent_pid=os.getpid(), num_threads=w.num_threads,
                           shm_ring=self.shm_ring)
+        if self.launcher is not None:
+            w.proc = self.launcher(w, spec)  # type: ignore[assignment]
+            w.state, w.started_at, w.info, w.stats = "starting", time.monotonic(), {}, {}
+            w.busy_s = 0.0
+            logger.info("started %s (%s)", w.identity, type(w.proc).__name__)
+            return
         # NOTE: the count is this worker's share, set explicitly: P0's own environment holds
         # the count the CLI chose for P0 (all cores), which thread_env would keep.
         env = thread_env(w.num_threads, os.environ)
