@@ -57,3 +57,18 @@ def test_a_stream_survives_its_decode_worker(server, tiny):
     assert out["a"]["text"] == ref, "the stream resumed on the other decode worker"
     assert server.metric("triptych:request_migrations_total") >= 1
     assert wait_ok(server)
+
+
+def test_health_shows_each_workers_weights(server):
+    """E+P+D: /health reports what each worker loaded, as its process measured it: the
+    encode worker holds no language-model weights, prefill and decode no vision weights."""
+    import httpx
+
+    assert wait_ok(server)  # every worker up, its hello (and so its weights) in
+    pools = httpx.get(server.base + "/health", timeout=5).json()["pools"]
+    (enc,) = pools["encode"]["workers"]
+    assert enc["weights"]["parts"] == "vision"
+    assert enc["weights"]["bytes"]["language"] == 0 < enc["weights"]["bytes"]["vision"]
+    for w in pools["prefill"]["workers"] + pools["decode"]["workers"]:
+        assert w["weights"]["parts"] == "language"
+        assert w["weights"]["bytes"]["vision"] == 0 < w["weights"]["bytes"]["language"]
