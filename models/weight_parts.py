@@ -35,8 +35,15 @@ def holds(parts: str, name: str) -> bool:
 
 
 def weight_bytes(model: Any) -> dict[str, int]:
-    """Bytes of the parameters a model holds, per part (measured, not from the config)."""
+    """Bytes of the weights a model holds, per part (measured, not from the config): its
+    parameters, plus the packed copies that replaced the dense weights of linear layers on
+    the CPU (``kernels/cpu_linear.pack_linears``: the parameter is left empty)."""
     out = {"vision": 0, "language": 0}
     for name, p in model.named_parameters():
         out[part_of(name)] += p.numel() * p.element_size()
+    for name, module in model.named_modules():
+        gemm = getattr(module, "cpu_gemm", None)
+        for t in (getattr(gemm, "packed", None), getattr(gemm, "bias", None)):
+            if t is not None:
+                out[part_of(name + ".")] += t.numel() * t.element_size()
     return out
