@@ -69,15 +69,12 @@ def _video_grids(vids: list[Any]) -> list[tuple[int, int, int]]:
     """Qwen3-VL: the processor sends each temporal group of a video as its own item (key
     ``<video key>#t<g>``); HF's processor gives the clip as one grid (t, h, w)."""
     grids: list[tuple[int, int, int]] = []
-    base = None
     for it in vids:
-        b = it.mm_hash.rsplit("#t", 1)[0]
-        if grids and b == base and grids[-1][1:] == tuple(it.grid_thw[1:]):
+        if grids and not it.mm_hash.endswith("#t0"):  # the next group of the same clip
             t, h, w = grids[-1]
             grids[-1] = (t + it.grid_thw[0], h, w)
         else:
             grids.append(tuple(it.grid_thw))
-        base = b
     return grids
 
 
