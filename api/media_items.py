@@ -105,9 +105,9 @@ class MediaItems:
             meta = self._lookup(key)
             if meta is not None:
                 return self._from_meta(key, meta), MediaSource(kind, payload, None, meta, media)
-        item = self._process(kind, key, payload)
+        item, frames = self._process(kind, key, payload)
         meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
-                           item.second_per_grid_t)
+                           item.second_per_grid_t, frames)
         if self.cache is not None:
             self.cache.put(key, meta)
         return item, MediaSource(kind, payload, uuid, meta, media)
@@ -119,7 +119,7 @@ class MediaItems:
             return read_media_bytes(src, self.media, cap)
         if kind == "image":
             return load_image(src, self.media)  # PIL: checked and converted to RGB
-        return load_video(src, self.media)  # frame array: checked and sampled
+        return load_video(src, self.media, pad=False)  # frame array: checked and sampled
 
     def _lookup(self, key: str) -> ItemMeta | None:
         meta = self.cache.lookup(key) if self.cache is not None else None
@@ -135,8 +135,9 @@ class MediaItems:
         t, h, w = grid
         return t * h * w // self.merge ** 2
 
-    def _process(self, kind: str, key: str, payload: Payload) -> MMItem:
-        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips."""
+    def _process(self, kind: str, key: str, payload: Payload) -> tuple[MMItem, int | None]:
+        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips.
+        Also the video's sampled frame count (before padding; None for an image)."""
         ip = self.image_processor
         with self.counts.lock:
             self.counts.processed += 1
@@ -146,8 +147,8 @@ class MediaItems:
             if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
                 raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
             pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config)
-            return MMItem("image", key, 0, 0, grid, pixels)
-        frames, fps = decode_video(payload, self.media) if isinstance(payload, bytes) \
+            return MMItem("image", key, 0, 0, grid, pixels), None
+        frames, fps = decode_video(payload, self.media, pad=False) if isinstance(payload, bytes) \
             else payload
         h, w = frames.shape[1:3]
         if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
@@ -156,7 +157,7 @@ class MediaItems:
                                     max_pixels=self.video_max_pixels,
                                     per_video=self.contract.video_timestamps)
         return MMItem("video", key, 0, 0, grid, torch.from_numpy(pv),
-                      ip.temporal_patch_size / fps)
+                      ip.temporal_patch_size / fps), len(frames)
 
     # -- processor cache ------------------------------------------------------------------
     def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor:
@@ -181,10 +182,10 @@ class MediaItems:
             payload = view._payload(item.modality, payload)
             source.payload = payload  # fetch once
         if source.group is None:
-            fresh = view._process(item.modality, item.mm_hash, payload)
+            fresh, _ = view._process(item.modality, item.mm_hash, payload)
         else:  # one temporal group of a video: process the clip once for all its groups
             if source.whole is None or not source.whole:
-                whole = view._process(item.modality, item.mm_hash, payload)
+                whole, _ = view._process(item.modality, item.mm_hash, payload)
                 if source.whole is not None:
                     source.whole.append(whole)
             else:
@@ -209,7 +210,8 @@ class MediaItems:
         ``<{seconds:.1f} seconds><|vision_start|>`` before its span (the caller closes each
         with ``<|vision_end|>``), the group's item and a source that can re-make its pixels."""
         cfg, tps = self.hf_config, self.image_processor.temporal_patch_size
-        stamps = group_timestamps(item.grid_thw[0], tps, item.second_per_grid_t)
+        stamps = group_timestamps(item.grid_thw[0], tps, item.second_per_grid_t,
+                                  source.meta.num_frames if source.meta else None)
         whole: list[Any] = []
         out = []
         for g, sub in enumerate(split_groups(item)):

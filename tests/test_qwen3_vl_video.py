@@ -64,12 +64,13 @@ VIDEO = video_chat("What happens?", frames(0, 6, 64, 96))  # 3 groups of 2x3 tok
 MIXED = video_chat("Compare the clip with the picture.", frames(1, 4, 96, 64), image(2, 56, 84))
 
 
-def hf_placeholder(proc, grid_t: int, frame_tokens: int) -> str:
-    """Qwen3VLProcessor.replace_video_token's string for frames sampled at ``video_fps``."""
+def hf_placeholder(proc, grid_t: int, frame_tokens: int, n: int | None = None) -> str:
+    """Qwen3VLProcessor.replace_video_token's string for ``n`` frames sampled at
+    ``video_fps``."""
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
-    n = grid_t * 2
+    n = n or grid_t * 2
     meta = VideoMetadata(total_num_frames=n, fps=proc.media.video_fps,
                          frames_indices=list(range(n)))
     me = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
@@ -98,6 +99,12 @@ def test_prompt_and_pixels_are_hf_processors(llm):
     want = want.replace("<|video_pad|>", hf_placeholder(proc, 3, 6))
     assert "<0.2 seconds>" in want and "<2.2 seconds>" in want
     assert p.prompt_token_ids == tok.encode(want, add_special_tokens=False)
+    # an odd clip: HF pads the frame indices with the last one (its time, not a later one)
+    odd = video_chat("What happens?", frames(0, 5, 64, 96))
+    want = tok.apply_chat_template(odd, tokenize=False, add_generation_prompt=True)
+    want = want.replace("<|video_pad|>", hf_placeholder(proc, 3, 6, n=5))
+    assert "<2.0 seconds>" in want
+    assert proc.process_chat(odd).prompt_token_ids == tok.encode(want, add_special_tokens=False)
     # the pixels: HF's patchify of the rescaled, normalised clip (64x96 needs no resize)
     clip = torch.from_numpy(frames(0, 6, 64, 96)).permute(0, 3, 1, 2).float() / 255
     clip = ((clip - 0.5) / 0.5)[None]

@@ -56,11 +56,15 @@ def preprocess_video(frames: np.ndarray, image_processor: Any, *, min_pixels: in
     return np.ascontiguousarray(x.reshape(gt * gh * gw, c * tps * ps * ps)), (gt, gh, gw)
 
 
-def group_timestamps(grid_t: int, tps: int, second_per_grid_t: float | None) -> list[float]:
-    """Seconds of each temporal group as Qwen3VLProcessor computes them: the mean time of
-    the group's first and last frame, frame i of the sampled clip at ``i / fps``."""
+def group_timestamps(grid_t: int, tps: int, second_per_grid_t: float | None,
+                     num_frames: int | None = None) -> list[float]:
+    """Seconds of each temporal group as Qwen3VLProcessor computes them: frame i of the
+    sampled clip at ``i / fps``, the frame indices padded with the last one to a multiple
+    of ``tps`` (as the frames are), and the mean of each group's first and last time."""
     fps = tps / (second_per_grid_t or tps / 24.0)  # HF's default when no rate is known: 24
-    secs = [i / fps for i in range(grid_t * tps)]
+    idx = list(range(num_frames or grid_t * tps))
+    idx += [idx[-1]] * (-len(idx) % tps)
+    secs = [i / fps for i in idx]
     return [(secs[g * tps] + secs[g * tps + tps - 1]) / 2 for g in range(grid_t)]
 
 
