@@ -27,7 +27,7 @@ from triptych.api.media.decode import (
     load_video,
     read_media_bytes,
 )
-from triptych.api.media.video import preprocess_video
+from triptych.api.media.video import group_timestamps, preprocess_video, split_groups
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import media_key
 from triptych.mmcache.index import ItemMeta
@@ -57,6 +57,11 @@ class MediaSource:
     # caps; no pixel budget): load_pixels must re-make exactly the pixels the key names,
     # not the server's defaults.
     media: MediaLimits | None = None
+    # Qwen3-VL: this item is temporal group ``group`` of the video the payload makes
+    # (api/media/video.py split_groups); ``whole`` holds that video's pixels once re-made,
+    # shared by the groups' sources so load_pixels processes the clip once
+    group: int | None = None
+    whole: list[Any] | None = None
 
 
 @dataclass
@@ -100,9 +105,9 @@ class MediaItems:
             meta = self._lookup(key)
             if meta is not None:
                 return self._from_meta(key, meta), MediaSource(kind, payload, None, meta, media)
-        item = self._process(kind, key, payload)
+        item, frames = self._process(kind, key, payload)
         meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
-                           item.second_per_grid_t)
+                           item.second_per_grid_t, frames)
         if self.cache is not None:
             self.cache.put(key, meta)
         return item, MediaSource(kind, payload, uuid, meta, media)
@@ -114,7 +119,7 @@ class MediaItems:
             return read_media_bytes(src, self.media, cap)
         if kind == "image":
             return load_image(src, self.media)  # PIL: checked and converted to RGB
-        return load_video(src, self.media)  # frame array: checked and sampled
+        return load_video(src, self.media, pad=False)  # frame array: checked and sampled
 
     def _lookup(self, key: str) -> ItemMeta | None:
         meta = self.cache.lookup(key) if self.cache is not None else None
@@ -130,8 +135,9 @@ class MediaItems:
         t, h, w = grid
         return t * h * w // self.merge ** 2
 
-    def _process(self, kind: str, key: str, payload: Payload) -> MMItem:
-        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips."""
+    def _process(self, kind: str, key: str, payload: Payload) -> tuple[MMItem, int | None]:
+        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips.
+        Also the video's sampled frame count (before padding; None for an image)."""
         ip = self.image_processor
         with self.counts.lock:
             self.counts.processed += 1
@@ -141,16 +147,17 @@ class MediaItems:
             if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
                 raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
             pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config)
-            return MMItem("image", key, 0, 0, grid, pixels)
-        frames, fps = decode_video(payload, self.media) if isinstance(payload, bytes) \
+            return MMItem("image", key, 0, 0, grid, pixels), None
+        frames, fps = decode_video(payload, self.media, pad=False) if isinstance(payload, bytes) \
             else payload
         h, w = frames.shape[1:3]
         if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
             raise MediaError(f"video is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
         pv, grid = preprocess_video(frames, ip, min_pixels=self.video_min_pixels,
-                                    max_pixels=self.video_max_pixels)
+                                    max_pixels=self.video_max_pixels,
+                                    per_video=self.contract.video_timestamps)
         return MMItem("video", key, 0, 0, grid, torch.from_numpy(pv),
-                      ip.temporal_patch_size / fps)
+                      ip.temporal_patch_size / fps), len(frames)
 
     # -- processor cache ------------------------------------------------------------------
     def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor:
@@ -174,7 +181,16 @@ class MediaItems:
         if isinstance(payload, str):
             payload = view._payload(item.modality, payload)
             source.payload = payload  # fetch once
-        fresh = view._process(item.modality, item.mm_hash, payload)
+        if source.group is None:
+            fresh, _ = view._process(item.modality, item.mm_hash, payload)
+        else:  # one temporal group of a video: process the clip once for all its groups
+            if source.whole is None or not source.whole:
+                whole, _ = view._process(item.modality, item.mm_hash, payload)
+                if source.whole is not None:
+                    source.whole.append(whole)
+            else:
+                whole = source.whole[0]
+            fresh = split_groups(whole)[source.group]
         if fresh.grid_thw != item.grid_thw or \
                 fresh.second_per_grid_t != item.second_per_grid_t or \
                 (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
@@ -187,6 +203,28 @@ class MediaItems:
                              "one sent before under that uuid")
         item.pixel_values = fresh.pixel_values
         return item.pixel_values
+
+    def _timed_groups(self, item: MMItem, source: MediaSource
+                      ) -> list[tuple[list[int], MMItem, MediaSource]]:
+        """A Qwen3-VL video as Qwen3VLProcessor lays it out: per temporal group, the ids of
+        ``<{seconds:.1f} seconds><|vision_start|>`` before its span (the caller closes each
+        with ``<|vision_end|>``), the group's item and a source that can re-make its pixels."""
+        cfg, tps = self.hf_config, self.image_processor.temporal_patch_size
+        stamps = group_timestamps(item.grid_thw[0], tps, item.second_per_grid_t,
+                                  source.meta.num_frames if source.meta else None)
+        whole: list[Any] = []
+        out = []
+        for g, sub in enumerate(split_groups(item)):
+            meta = source.meta
+            if meta is not None:
+                rows = sub.grid_thw[1] * sub.grid_thw[2]
+                meta = dataclasses.replace(meta, grid_thw=sub.grid_thw,
+                                           length=self._length(sub.grid_thw),
+                                           shape=(rows, *meta.shape[1:]))
+            src = dataclasses.replace(source, meta=meta, group=g, whole=whole)
+            prefix = self.tokenizer.encode(f"<{stamps[g]:.1f} seconds>", add_special_tokens=False)
+            out.append((prefix + [cfg.vision_start_token_id], sub, src))
+        return out
 
     def ensure_pixels(self, prompt: ProcessedPrompt) -> None:
         """``load_pixels`` for every item of ``prompt`` that has none."""

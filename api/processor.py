@@ -7,7 +7,9 @@ content hash. Placeholders are built here and only here: client text may not car
 and the engine re-validates what it receives (engine/validate.py).
 
 Images go through HF's PIL image processor via the contract; videos through
-api/media/video.py (HF's video processor needs torchvision, see models/tiny.py).
+api/media/video.py (HF's video processor needs torchvision, see models/tiny.py). A model
+whose contract sets ``video_timestamps`` (Qwen3-VL) gets each video as one item per
+temporal group, each span after its ``<t seconds>`` text, as Qwen3VLProcessor builds it.
 """
 from __future__ import annotations
 
@@ -67,6 +69,10 @@ class InputProcessor(MediaItems):
                 vcfg = json.load(f)
         self.video_min_pixels = vcfg.get("min_pixels", 128 * 28 * 28)
         self.video_max_pixels = vcfg.get("max_pixels", 768 * 28 * 28)
+        if contract.video_timestamps:  # Qwen3-VL: one budget for the whole clip, in `size`
+            size = vcfg.get("size") or {}
+            self.video_min_pixels = size.get("shortest_edge", 128 * 32 * 32)
+            self.video_max_pixels = size.get("longest_edge", 768 * 32 * 32)
         ip = self.image_processor
         # Everything that changes the processor's output goes into the content hash (the
         # contract names the settings: tiling models add their crop settings).
@@ -251,12 +257,23 @@ class InputProcessor(MediaItems):
                 if fields and e.param is None:
                     e.param = fields[n]
                 raise
-            out_ids += ids[prev:pos] + self.wrappers[0]
+            out_ids += ids[prev:pos]
+            prev = pos + 1
+            if kind == "video" and self.contract.video_timestamps:
+                # Qwen3-VL: the one <|video_pad|> becomes, per temporal group,
+                # "<t seconds><|vision_start|>" + its span + "<|vision_end|>"
+                for prefix, sub, sub_source in self._timed_groups(item, source):
+                    out_ids += prefix
+                    sub.offset, sub.length = len(out_ids), self._length(sub.grid_thw)
+                    items.append(sub)
+                    sources.append(sub_source)
+                    out_ids += [ids[pos]] * sub.length + [self.hf_config.vision_end_token_id]
+                continue
+            out_ids += self.wrappers[0]
             item.offset, item.length = len(out_ids), self._length(item.grid_thw)
             items.append(item)
             sources.append(source)
             out_ids += [ids[pos]] * item.length + self.wrappers[1]
-            prev = pos + 1
         out_ids += ids[prev:]
         return self._finish(ProcessedPrompt(out_ids, items, text, sources))
 

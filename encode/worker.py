@@ -54,7 +54,9 @@ class EncodeWorker(Handler):
 
     def hello(self, spec: WorkerSpec) -> wire.Hello:
         return wire.Hello(spec.worker_id, spec.pool, os.getpid(), 0, 0, self.connector.address,
-                          self.runner.cache.capacity_bytes)
+                          self.runner.cache.capacity_bytes,
+                          weight_parts=self.loaded.weight_parts,
+                          weight_bytes=dict(self.loaded.weight_bytes or {}))
 
     def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]:
         if isinstance(msg, wire.AbortRequest):

@@ -31,6 +31,7 @@ class ItemMeta:
     dtype: str  # pixel_values dtype, e.g. "float32"
     shape: tuple[int, ...]  # pixel_values shape [patches, patch_dim]
     second_per_grid_t: float | None = None  # video only
+    num_frames: int | None = None  # video only: frames sampled, before any padding
 
     @property
     def nbytes(self) -> int:
@@ -38,12 +39,13 @@ class ItemMeta:
 
     @classmethod
     def of(cls, modality: str, grid_thw: tuple[int, int, int], length: int,
-           pixel_values: torch.Tensor, second_per_grid_t: float | None = None) -> ItemMeta:
+           pixel_values: torch.Tensor, second_per_grid_t: float | None = None,
+           num_frames: int | None = None) -> ItemMeta:
         dtype = str(pixel_values.dtype).removeprefix("torch.")
         if dtype not in _ITEMSIZE:
             raise ValueError(f"unsupported pixel dtype {dtype}")
         return cls(modality, tuple(int(x) for x in grid_thw), int(length), dtype,
-                   tuple(int(s) for s in pixel_values.shape), second_per_grid_t)
+                   tuple(int(s) for s in pixel_values.shape), second_per_grid_t, num_frames)
 
     def matches(self, pixel_values: torch.Tensor) -> bool:
         return (str(pixel_values.dtype).removeprefix("torch.") == self.dtype

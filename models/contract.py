@@ -53,6 +53,10 @@ class ModelContract:
     supports_tensor_parallel = True
     supports_encoder_data_parallel = True  # the tower encodes any subset of items alone
     shards_vision_weights = True  # False: the tower stays whole on every rank under TP
+    # True (Qwen3-VL): a video is laid out as HF's Qwen3VLProcessor does, one span per
+    # temporal group after its "<t seconds>" text; the processor sends each group as its
+    # own video item of grid (1, h, w), so positions and the encoder need nothing new
+    video_timestamps = False
 
     # -- what the engine derives from the config ------------------------------------------
     def text_config(self, hf: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from triptych.models.contract import contract_for
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -45,8 +46,6 @@ def hf_inputs(prompts: list[Any], pad_token_id: int, hf_config: Any = None
     out: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=types)
     items = [it for p in prompts for it in p.mm_items]
     if hf_config is not None:
-        from triptych.models.contract import contract_for
-
         media = contract_for(hf_config).hf_media_inputs(items)
         if media is not None:  # the class takes no token types
             del out["mm_token_type_ids"]
@@ -56,12 +55,27 @@ def hf_inputs(prompts: list[Any], pad_token_id: int, hf_config: Any = None
     if imgs:
         out["pixel_values"] = torch.cat([it.pixel_values for it in imgs])
         out["image_grid_thw"] = torch.tensor([it.grid_thw for it in imgs])
+    timed = hf_config is not None and contract_for(hf_config).video_timestamps
     if vids:
         out["pixel_values_videos"] = torch.cat([it.pixel_values for it in vids])
-        out["video_grid_thw"] = torch.tensor([it.grid_thw for it in vids])
-        if any(it.second_per_grid_t is not None for it in vids):
+        out["video_grid_thw"] = torch.tensor(_video_grids(vids) if timed
+                                             else [it.grid_thw for it in vids])
+        if not timed and any(it.second_per_grid_t is not None for it in vids):
             out["second_per_grid_ts"] = torch.tensor([it.second_per_grid_t or 1.0 for it in vids])
     return out
+
+
+def _video_grids(vids: list[Any]) -> list[tuple[int, int, int]]:
+    """Qwen3-VL: the processor sends each temporal group of a video as its own item (key
+    ``<video key>#t<g>``); HF's processor gives the clip as one grid (t, h, w)."""
+    grids: list[tuple[int, int, int]] = []
+    for it in vids:
+        if grids and not it.mm_hash.endswith("#t0"):  # the next group of the same clip
+            t, h, w = grids[-1]
+            grids[-1] = (t + it.grid_thw[0], h, w)
+        else:
+            grids.append(tuple(it.grid_thw))
+    return grids
 
 
 @torch.inference_mode()

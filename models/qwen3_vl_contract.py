@@ -2,9 +2,10 @@
 
 The payload of an item is ``[rows, hidden * (1 + k)]``: the merger's embedding, then the
 k DeepStack features (one per ``deepstack_visual_indexes`` entry). head_dim is the
-config's own. Images only for now: Qwen3-VL's video prompt interleaves timestamps with
-per-frame spans, which the processor glue does not build yet (a request with a video is
-refused with a 400 naming this).
+config's own. Videos as HF's Qwen3VLProcessor lays them out (``video_timestamps``): per
+temporal group, "<t seconds><|vision_start|>" + its span + "<|vision_end|>"; the processor
+sends each group as a video item of grid (1, h, w), which is also how HF's get_rope_index
+splits video grids, so positions and the tower (DeepStack included) treat it like an image.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from triptych.models.contract import ModelContract
 class Qwen3VLContract(ModelContract):
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
-    modalities = ("image",)
+    modalities = ("image", "video")
+    video_timestamps = True
 
     def head_dim(self, text: Any) -> int:
         # Qwen3 states head_dim and its attention uses it (it may differ from hidden/heads)

@@ -8,6 +8,7 @@ hidden / heads, and two of three vision blocks feed DeepStack, so both paths are
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -81,4 +82,10 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                              min_pixels=64 * 64, max_pixels=256 * 32 * 32,
                              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
                              ).save_pretrained(out_dir)
+    # Qwen3-VL's video processor settings (one pixel budget per clip, frames x h x w), small
+    with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
+        json.dump({"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+                   "temporal_patch_size": 2, "merge_size": 2, "fps": 2,
+                   "size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32},
+                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}, f, indent=2)
     return out_dir

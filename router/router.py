@@ -212,13 +212,15 @@ class Router:
     def health(self) -> dict[str, Any]:
         """{"status": ok | degraded | unavailable, "layout", "pools": {pool: {"live",
         "workers": [{index, name, pid, state, restarts, remote, served, requests,
-        silent_s, busy_s, start_error}]}}, "stalled": [names], "slow_steps": [names],
+        silent_s, busy_s, start_error, weights}]}}, "stalled": [names], "slow_steps": [names],
         "supervisor": {state, errors_total, last_error, failing_to_start}}: ``served``
         counts the requests a worker did its part of (encoded, prefilled or finished),
         ``requests`` the ones it holds now, ``silent_s`` the seconds since its last
         heartbeat, ``busy_s`` how long its current step has run. ``stalled``: workers
         taken for frozen (being killed); ``slow_steps``: live workers inside one step for
-        longer than the heartbeat timeout (shown, not killed: a big image can take that)."""
+        longer than the heartbeat timeout (shown, not killed: a big image can take that).
+        ``weights``: {"parts": all | vision | language, "bytes": {"vision", "language"}},
+        the weights its process holds, measured at load (from its hello; {} before it)."""
         pools: dict[str, Any] = {}
         now = time.monotonic()
         for pool in self.layout.pools:
@@ -229,7 +231,8 @@ class Router:
                  "requests": len(self.requests.on(w)),
                  "silent_s": round(now - w.last_seen, 1) if w.up else None,
                  "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None,
-                 "node": getattr(w.proc, "node", None)}
+                 "node": getattr(w.proc, "node", None),
+                 "weights": _weights(w.info)}
                 for w in ws]}
         stalled = [w.name for w in self.registry.workers if w.state == "stalled"]
         slow = [w.name for w in self.registry.workers
@@ -387,3 +390,10 @@ def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.Request
 
 
 __all__ = ["MAX_MIGRATIONS", "EngineDeadError", "Router"]
+
+
+def _weights(info: dict[str, Any]) -> dict[str, Any]:
+    """A worker's loaded parts and weight bytes, as its hello said ({} before one came)."""
+    if not info.get("weight_parts"):
+        return {}
+    return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {})}

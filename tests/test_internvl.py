@@ -141,13 +141,16 @@ def test_chunked_prefill_splits_an_image_span(tiny, oracle):
         small.close()
 
 
-def test_encode_prefill_decode_pools(tiny, oracle, llm):
-    """1e1p1d: the tiles are encoded in the encode pool and their rows travel the
-    connector; chunks of 8 cut the image spans; each pool holds only its weights."""
+@pytest.mark.parametrize("layout", [
+    {"encode_workers": 1, "prefill_workers": 1, "decode_workers": 1},  # E+P+D
+    {"encode_workers": 1, "decode_workers": 1},  # E+PD
+], ids=["1e1p1d", "1e1d"])
+def test_encode_prefill_decode_pools(tiny, oracle, llm, layout):
+    """1e1p1d and E+PD: the tiles are encoded in the encode pool and their rows travel the
+    connector to the prefilling worker; chunks of 8 cut the image spans."""
     convs = [TEXT, ONE, TWO]
     want = [hf_ids(oracle, llm.processor.process_chat(c)) for c in convs]
-    pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 8}, encode_workers=1,
-                prefill_workers=1, decode_workers=1)
+    pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 8}, **layout)
     try:
         outs = pools.chat(convs, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want

@@ -165,15 +165,6 @@ def test_pool_layouts(tiny, oracle, llm, layout):
         pools.close()
 
 
-def test_video_is_refused_in_one_line(llm):
-    import numpy as np
-
-    frames = np.zeros((4, 64, 64, 3), dtype=np.uint8)
-    with pytest.raises(ValueError, match="does not take video input"):
-        llm.processor.process_prompt({"prompt": "<|vision_start|><|video_pad|><|vision_end|>",
-                                      "multi_modal_data": {"video": frames}})
-
-
 def test_missing_deepstack_weights_fail_at_start(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -3,7 +3,8 @@
 The tiny model has one sparse layer (4 experts, top 2) and one dense layer, DeepStack and
 an explicit head_dim. The fused experts path (sort by expert, one GEMM pair per expert
 over its contiguous slice) must equal HF's experts; the hub's transposed expert layout
-loads to the same model.
+loads to the same model. Greedy ids equal HF's for text, one and two images, multi-turn
+with prefix hits, chunked prefill, 1e1p1d, E+PD and TP=2 in both encoder modes.
 """
 from __future__ import annotations
 
@@ -72,6 +73,33 @@ def test_chunked_prefill_through_an_image(tiny, oracle, llm):
     assert out.outputs[0].token_ids == hf_ids(llm, oracle, conv)
 
 
+def test_multi_turn_and_prefix_hits_across_turns(llm, oracle):
+    (first,) = llm.chat(CONVS["one-image"], GREEDY, use_tqdm=False)
+    answer = llm.get_tokenizer().decode(first.outputs[0].token_ids, skip_special_tokens=True)
+    conv = CONVS["one-image"] + [{"role": "assistant", "content": answer},
+                                 *chat("And this one? Compare it.", image(6, 84, 84))]
+    (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_ids(llm, oracle, conv)
+    assert out.num_cached_tokens >= len(first.prompt_token_ids) // 4 * 4 - 4 > 0
+
+
+@pytest.mark.parametrize("layout", [
+    {"encode_workers": 1, "prefill_workers": 1, "decode_workers": 1},  # E+P+D
+    {"encode_workers": 1, "decode_workers": 1},  # E+PD
+], ids=["1e1p1d", "1e1d"])
+def test_pool_layouts(tiny, oracle, llm, layout):
+    """The DeepStack payload goes encode -> the prefilling worker, which runs the fused
+    experts; chunks of 16 cut the last image's span."""
+    convs = [*CONVS.values(), chat("Describe.", image(4, 128, 128))]
+    want = [hf_ids(llm, oracle, c) for c in convs]
+    pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, **layout)
+    try:
+        assert [o.outputs[0].token_ids for o in pools.chat(convs, GREEDY, use_tqdm=False)] \
+            == want
+    finally:
+        pools.close()
+
+
 def test_fused_experts_equal_hf_experts(oracle):
     """Random tokens through layer 0's experts: ours (sorted, grouped) and HF's loop."""
     block = oracle.model.language_model.layers[0].mlp
@@ -103,11 +131,14 @@ def test_hub_layout_of_the_experts_loads_the_same(tiny, llm, tmp_path):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def test_tensor_parallel_two_ranks(tiny, oracle, llm):
-    """TP=2: each rank holds half of every expert's intermediate dim; one all-reduce."""
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_tensor_parallel_two_ranks(tiny, oracle, llm, mode):
+    """TP=2: each rank holds half of every expert's intermediate dim; one all-reduce; the
+    tower sharded ("weights") or the images split across ranks ("data")."""
     convs = list(CONVS.values())
     want = [hf_ids(llm, oracle, c) for c in convs]
-    two = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, tensor_parallel_size=2)
+    two = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, tensor_parallel_size=2,
+              mm_encoder_tp_mode=mode)
     try:
         assert [o.outputs[0].token_ids for o in two.chat(convs, GREEDY, use_tqdm=False)] == want
     finally:

@@ -63,6 +63,19 @@ def test_the_parts_equal_the_whole(tiny_qwen2_vl):
         weight_bytes(vision)["vision"] + weight_bytes(language)["language"]
 
 
+def test_packed_linear_weights_are_counted(tiny_qwen2_vl):
+    """Workers pack fp32 linear layers on the CPU (the dense parameter is left empty): the
+    measured bytes must count the packed copies, or every worker would look weightless."""
+    from triptych.kernels.cpu_linear import available
+
+    if not available():
+        pytest.skip("no oneDNN packed linear in this torch build")
+    dense, _ = load_model(tiny_qwen2_vl, torch.float32, "cpu")
+    packed, _ = load_model(tiny_qwen2_vl, torch.float32, "cpu", cpu_gemm="onednn")
+    assert any(hasattr(m, "cpu_gemm") for m in packed.modules())
+    assert weight_bytes(packed) == weight_bytes(dense)
+
+
 @pytest.mark.parametrize("knobs,role,pool,want", [
     ({}, "engine", "", "all"),  # LLM / colocated
     ({"encode_workers": 1, "prefill_workers": 1, "decode_workers": 1}, "encode", "encode",

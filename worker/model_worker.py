@@ -66,7 +66,9 @@ class ModelWorker(Handler):
         return wire.Hello(spec.worker_id, spec.pool, os.getpid(), self.core.max_model_len,
                           self.core.num_blocks,
                           self.connector.address if self.connector else "",
-                          self.core.encoder.cache.capacity_bytes, self._rank_addresses())
+                          self.core.encoder.cache.capacity_bytes, self._rank_addresses(),
+                          weight_parts=self.core.loaded.weight_parts,
+                          weight_bytes=dict(self.core.loaded.weight_bytes or {}))
 
     def _rank_addresses(self) -> list[str]:
         """A group's data addresses, rank by rank (rank to rank KV between groups)."""

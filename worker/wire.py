@@ -123,6 +123,8 @@ class Hello(msgspec.Struct, tag="hello"):
     rank_addresses: list[str] = []  # a tensor-parallel group's data addresses, rank by rank
     model_fingerprint: str = ""  # config + weights digest (worker/fingerprint.py): a worker
     # on another host with another checkpoint is refused before it joins a pool
+    weight_parts: str = ""  # all | vision | language: the submodules it loaded (/health)
+    weight_bytes: dict[str, int] = {}  # its resident weight bytes per part, measured
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

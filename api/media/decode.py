@@ -105,21 +105,26 @@ def _check_video_pixels(frames: int, w: int, h: int, limits: MediaLimits) -> Non
     limits.charge(frames * w * h)
 
 
-def load_video(src: str | bytes | np.ndarray, limits: MediaLimits) -> tuple[np.ndarray, float]:
-    """Frames [T, H, W, 3] uint8 sampled at ``limits.video_fps`` over the whole video (T even,
-    at most the frame cap; a long video is sampled more sparsely) and the rate actually used.
+def load_video(src: str | bytes | np.ndarray, limits: MediaLimits, pad: bool = True
+               ) -> tuple[np.ndarray, float]:
+    """Frames [T, H, W, 3] uint8 sampled at ``limits.video_fps`` over the whole video (T even
+    unless ``pad=False``, at most the frame cap; a long video is sampled more sparsely) and
+    the rate actually used.
 
-    An ndarray is taken as frames already sampled at ``video_fps``.
+    An ndarray is taken as frames already sampled at ``video_fps``. ``pad=False``: the
+    frames as sampled (the processor pads them itself and needs their count: Qwen3-VL's
+    timestamps).
     """
+    even = _pad_even if pad else (lambda f: f)
     if isinstance(src, np.ndarray):
         if src.ndim != 4 or src.shape[-1] != 3 or src.dtype != np.uint8 or not len(src):
             raise MediaError("a video array must be [frames, height, width, 3] uint8")
         n, cap = len(src), _frame_cap(limits)
         _check_video_pixels(min(n, cap), src.shape[2], src.shape[1], limits)
         if n <= cap:
-            return _pad_even(src), limits.video_fps
+            return even(src), limits.video_fps
         idx = np.linspace(0, n, cap, endpoint=False).astype(np.int64)  # uniform, like HF
-        return _pad_even(src[idx]), limits.video_fps * cap / n
+        return even(src[idx]), limits.video_fps * cap / n
     if isinstance(src, bytes):
         if len(src) > limits.max_video_bytes:
             raise MediaError(f"media is larger than the {limits.max_video_bytes} byte limit "
@@ -129,13 +134,14 @@ def load_video(src: str | bytes | np.ndarray, limits: MediaLimits) -> tuple[np.n
         data = read_media_bytes(src, limits, limits.max_video_bytes)
     else:
         raise MediaError("a video must be a URL, a path or a frame array")
-    return decode_video(data, limits)
+    return decode_video(data, limits, pad)
 
 
-def decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
+def decode_video(data: bytes, limits: MediaLimits, pad: bool = True
+                 ) -> tuple[np.ndarray, float]:
     """``load_video`` of encoded bytes already read (the processor hashes them first)."""
     frames, fps = _decode_video(data, limits)
-    return _pad_even(frames), fps
+    return (_pad_even(frames) if pad else frames), fps
 
 
 def _decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
