@@ -148,6 +148,9 @@ class CpuGemm:
             # Without VNNI, fbgemm's u8 x s8 pair sums saturate int16: 7-bit activations.
             self.reduce_range = not _has_vnni()
         self.weight_bytes = self.out_features * self.in_features * BYTES[fmt]
+        # the bias rides with the packed weight (fp32 inside fbgemm's prepack)
+        self.bias_bytes = 0 if b is None else b.numel() * (
+            self.bias.element_size() if self.bias is not None else 4)
         self.min_flops = min_flops_per_thread() if min_flops is None else min_flops
         self.min_bytes = min_bytes_per_thread() if min_bytes is None else min_bytes
 

@@ -44,5 +44,5 @@ def weight_bytes(model: Any) -> dict[str, int]:
     for name, m in model.named_modules():
         gemm = getattr(m, "cpu_gemm", None)
         if gemm is not None:
-            out[part_of(name + ".")] += gemm.weight_bytes
+            out[part_of(name + ".")] += gemm.weight_bytes + gemm.bias_bytes
     return out

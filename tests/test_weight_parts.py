@@ -71,7 +71,7 @@ def test_packed_linear_weights_are_counted(tiny_qwen2_vl):
     if not available():
         pytest.skip("no oneDNN packed linear in this torch build")
     dense, _ = load_model(tiny_qwen2_vl, torch.float32, "cpu")
-    packed, _ = load_model(tiny_qwen2_vl, torch.float32, "cpu", cpu_gemm="onednn")
+    packed, _ = load_model(tiny_qwen2_vl, torch.float32, "cpu", cpu_weights="float32")
     assert any(hasattr(m, "cpu_gemm") for m in packed.modules())
     assert weight_bytes(packed) == weight_bytes(dense)
 
