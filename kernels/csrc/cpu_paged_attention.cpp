@@ -20,7 +20,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -38,6 +40,27 @@ inline float dot(const float* a, const T* k, int64_t d) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < d; ++i) s += a[i] * to_f(k[i]);
   return s;
+}
+
+// e^x for x <= 0 in a form the compiler vectorises (std::exp stays a scalar call):
+// e^x = 2^k * 2^f with k = round(x / ln 2), |f| <= 1/2, 2^f by its degree-7 Taylor series
+// (relative error < 1e-8, under fp32's epsilon). x below -87 (and -inf) gives ~1e-38, not 0:
+// weights that small vanish in every sum they join.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float k = std::floor(t + 0.5f);
+  const float f = (t - k) * 0.693147180559945309f;  // f in [-ln2/2, ln2/2]
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const auto bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
 }
 
 template <typename T>
@@ -75,10 +98,11 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
           float* sg = &s[g * bs];
           float mx = m[g];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-          const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
+          const float corr = exp_neg(m[g] - mx);  // ~0 on the first block (m = -inf)
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - mx);
+            sg[t] = exp_neg(sg[t] - mx);
             sum += sg[t];
           }
           l[g] = l[g] * corr + sum;
