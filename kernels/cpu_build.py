@@ -90,7 +90,7 @@ def library_path(name: str) -> tuple[Path, list[str]]:
     src = CSRC / f"{name}.cpp"
     cmd = _command(cxx, src, Path("OUT"))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                             timeout=60).stdout.splitlines()[:1]
+                             timeout=60, check=False).stdout.splitlines()[:1]
     key = hashlib.sha256("\n".join([
         src.read_text(), torch.__version__, sys.version, sysconfig.get_platform(),
         " ".join(cmd), *version, _cpu_features()]).encode()).hexdigest()[:16]
@@ -113,7 +113,8 @@ def build(name: str) -> Path:
                     "later starts load it from the cache", name, path)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                                  check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise BuildError(f"compiling {name} failed: {e}") from e
         if proc.returncode != 0:

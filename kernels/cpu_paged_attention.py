@@ -77,7 +77,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one new token per sequence over its paged context (GQA: the H / Hkv
     query heads of a KV head share each K/V row read). fp32 / bf16 / fp16, fp32 math."""
-    nb, bs, hkv, d = k_cache.shape
+    _, bs, hkv, d = k_cache.shape
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"paged_decode_attention: q {q.dtype} and the KV cache "
                          f"{k_cache.dtype}/{v_cache.dtype} must share one of {DTYPES}")

@@ -43,7 +43,7 @@ def _case(h: int, hkv: int, d: int, bs: int, lens: list[int], dtype: torch.dtype
 
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "h%d-kv%d-d%d" % x)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "h{}-kv{}-d{}".format(*x))
 def test_matches_the_torch_reference_fp32(bs, layout):
     h, hkv, d = layout
     # lengths: 1, inside one block, a block boundary exactly, a few blocks + a tail
