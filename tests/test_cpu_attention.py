@@ -5,6 +5,7 @@ The kernel is compiled once per machine (kernels/cpu_build.py); these tests load
 that cache like the engine does, so the suite compiles it at most once."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -103,15 +104,40 @@ def test_cpu_is_the_cpu_default_and_its_ops_use_the_kernel():
         resolve_backend("cpu", "cuda")
 
 
-def test_built_library_is_reused_across_processes():
-    """A second process finds the cached library: same path, no new build."""
-    path, _ = cpu_build.library_path(cpu_paged_attention.LIBRARY)
-    assert path.exists()
-    before = path.stat().st_mtime_ns
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
-            "from triptych.kernels import cpu_build as b;"
-            "print(b.load_library('cpu_paged_attention'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
-    assert str(path) in out and "compiling" not in out
-    assert path.stat().st_mtime_ns == before
+_START = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
+          "from triptych.kernels import resolve_backend; print(resolve_backend(None, 'cpu'))")
+
+
+def test_workers_starting_together_build_once(tmp_path):
+    """Two processes on an empty cache at once: one compiles (here a stand-in compiler that
+    copies the real library, slowly, and counts its calls), the other waits on the lock
+    and loads the finished file without compiling; both run the fused kernel."""
+    built = cpu_build.load_library(cpu_paged_attention.LIBRARY)
+    fake = tmp_path / "fake-g++"
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = "--version" ] && {{ echo "fake g++ 1"; exit 0; }}
+echo call >> {tmp_path}/calls
+sleep 2
+for a; do out="$a"; done
+cp {built} "$out"
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "CXX": str(fake), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    procs = [subprocess.Popen([sys.executable, "-c", _START], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all(out.strip().endswith("cpu") for out in outs), outs
+    assert (tmp_path / "calls").read_text().count("call") == 1
+    assert sum("compiling" in out for out in outs) == 1, outs
+
+
+def test_no_compiler_falls_back_to_torch_with_a_warning(tmp_path):
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    assert out.stdout.strip().endswith("torch")
+    assert "no C++ compiler found" in out.stderr + out.stdout and "install g++" in (
+        out.stderr + out.stdout)
