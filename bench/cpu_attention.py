@@ -5,11 +5,14 @@
 
 One layer's call, with the per-forward plan built once (as in the engine); rounds
 alternate torch / fused and the medians are printed, with the K/V read rate of each
-(bytes of the cached K and V the batch attends to / time).
+(bytes of the cached K and V the batch attends to / time). Besides wall time each call's
+CPU time (all threads) is shown: on a shared, loaded box it stays close to the work done
+while wall time also counts waiting for a core.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,11 +20,12 @@ from collections.abc import Callable
 import torch
 
 
-def _time(fn: Callable[[], object], iters: int) -> float:
-    t0 = time.perf_counter()
+def _time(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per call."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - t0) / iters
+    return (time.perf_counter() - t0) / iters, (time.process_time() - c0) / iters
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,19 +73,26 @@ def main(argv: list[str] | None = None) -> None:
     }
     err = (fns["fused C++"]().float() - fns["torch gather + SDPA"]().float()).abs().max()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
             fn()
-            times[name].append(_time(fn, args.iters))
+            wall, used = _time(fn, args.iters)
+            times[name].append(wall)
+            cpu[name].append(used)
     kv_bytes = 2 * int(lens.sum()) * hkv * d * k_cache.element_size()
     print(f"batch {b}, heads {h}/{hkv}, head_dim {d}, block {bs}, mean context "
           f"{float(lens.float().mean()):.0f}, {args.dtype}, {threads} threads; "
-          f"K/V read {kv_bytes / 1e6:.2f} MB; max |diff| {float(err):.2e}")
+          f"K/V read {kv_bytes / 1e6:.2f} MB; max |diff| {float(err):.2e}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     for name, t in med.items():
-        print(f"  {name:<20} {1e6 * t:9.1f} us  ({kv_bytes / t / 1e9:5.1f} GB/s of K/V)  "
-              f"rounds: " + ", ".join(f"{1e6 * x:.0f}" for x in times[name]))
-    print(f"  speed-up: {med['torch gather + SDPA'] / med['fused C++']:.2f}x")
+        print(f"  {name:<20} wall {1e6 * t:8.1f} us ({kv_bytes / t / 1e9:5.1f} GB/s of K/V), "
+              f"CPU {1e6 * med_cpu[name]:8.1f} us; rounds (wall): "
+              + ", ".join(f"{1e6 * x:.0f}" for x in times[name]))
+    a, b = "torch gather + SDPA", "fused C++"
+    print(f"  speed-up: wall {med[a] / med[b]:.2f}x, CPU time {med_cpu[a] / med_cpu[b]:.2f}x")
 
 
 if __name__ == "__main__":
