@@ -6,10 +6,14 @@ for SDPA (that gather was half the OCR preset's decode forward, docs/performance
 Built on first use by ``cpu_build`` (once per machine, cached); ``available()`` says
 whether that worked here and logs why not.
 
-Threads: the work items are (sequence, KV head) pairs on torch's intra-op threads. Under
-the passive OpenMP wait (worker/threads.py) waking a thread costs ~100 us, so a call
+Threads: the work items are (sequence, KV head) pairs on torch's intra-op threads. A call
 takes one thread per ``MIN_KV_BYTES_PER_THREAD`` of K/V it reads, up to the process's
-threads; the C++ side runs inline when one thread is enough.
+threads; the C++ side runs inline when one thread is enough. Why 4 MiB (~400 us of one
+core's reads, 4x what waking a thread costs under the passive wait policy): on the shared
+2-core box (docs/performance.md) a 2-thread region waits for a descheduled peer whenever
+the host is busy, and the OCR preset's decode attention (5.7 MB per layer) spent 64-66%
+of the decode forward on 2 threads vs 41-42% on one (same runs, load ~11-17); the decode
+step's other ops (GEMMs under 24 MFLOP, norms) are single-threaded already.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ logger = logging.getLogger("triptych.cpu_attention")
 
 LIBRARY = "cpu_paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MIN_KV_BYTES_PER_THREAD = 1 << 20  # ~100 us of one core's reads: worth a thread wake-up
+MIN_KV_BYTES_PER_THREAD = 4 << 20  # ~400 us of one core's reads: see the module docstring
 
 _state: dict[str, bool] = {}
 

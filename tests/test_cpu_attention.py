@@ -147,3 +147,14 @@ def test_no_compiler_falls_back_to_torch_with_a_warning(tmp_path):
     assert out.stdout.strip().endswith("torch")
     assert "no C++ compiler found" in out.stderr + out.stdout and "install g++" in (
         out.stderr + out.stdout)
+
+
+def test_tables_that_point_outside_the_cache_are_refused():
+    q, kc, vc, tables, lens = _case(4, 2, 16, 16, [20], torch.float32)
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_paged_attention.paged_decode_attention(q, kc, vc, bad, lens, 0.25)
+    too_long = torch.tensor([tables.shape[1] * 16 + 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, too_long, 0.25)

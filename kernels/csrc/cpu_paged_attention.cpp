@@ -72,7 +72,8 @@ inline void axpy(float* acc, float p, const T* v, int64_t d) {
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv,
-                   int64_t D, int64_t bs, int64_t max_blocks, float scale, int64_t grain) {
+                   int64_t D, int64_t bs, int64_t max_blocks, int64_t num_blocks, float scale,
+                   int64_t grain) {
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements between consecutive tokens of one block
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
@@ -81,6 +82,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
+      TORCH_CHECK(len <= max_blocks * bs, "seq_lens[", b, "] = ", len, " exceeds its block table");
       const T* qb = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qb[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -89,6 +91,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
       const int32_t* table = tables + b * max_blocks;
       for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
         const int64_t n = std::min(bs, len - start);
+        TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block id ", table[j], " out of range");
         const int64_t base = (static_cast<int64_t>(table[j]) * bs * Hkv + h) * D;
         const T* kb = kc + base;
         const T* vb = vc + base;
@@ -141,7 +144,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "one table row per sequence");
   at::Tensor out = at::empty_like(q);
   if (B == 0) return out;
-  const int64_t mb = block_tables.size(1);
+  const int64_t mb = block_tables.size(1), nb = k_cache.size(0);
   const float sc = static_cast<float>(scale);
   const int64_t gr = std::max<int64_t>(grain, 1);
   const auto* tables = block_tables.data_ptr<int32_t>();
@@ -149,17 +152,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   switch (q.scalar_type()) {
     case at::kFloat:
       decode_kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                    tables, lens, out.data_ptr<float>(), B, H, Hkv, D, bs, mb, sc, gr);
+                    tables, lens, out.data_ptr<float>(), B, H, Hkv, D, bs, mb, nb, sc, gr);
       break;
     case at::kBFloat16:
       decode_kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
                     v_cache.data_ptr<c10::BFloat16>(), tables, lens,
-                    out.data_ptr<c10::BFloat16>(), B, H, Hkv, D, bs, mb, sc, gr);
+                    out.data_ptr<c10::BFloat16>(), B, H, Hkv, D, bs, mb, nb, sc, gr);
       break;
     case at::kHalf:
       decode_kernel(q.data_ptr<c10::Half>(), k_cache.data_ptr<c10::Half>(),
                     v_cache.data_ptr<c10::Half>(), tables, lens, out.data_ptr<c10::Half>(),
-                    B, H, Hkv, D, bs, mb, sc, gr);
+                    B, H, Hkv, D, bs, mb, nb, sc, gr);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: fp32, bf16 or fp16, got ", q.scalar_type());
