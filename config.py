@@ -69,7 +69,7 @@ class EngineConfig:
     encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
-    attention_backend: str | None = None  # torch | cpu | triton (default: triton on CUDA; on CPU, cpu: torch with the decode attention fused in C++, compiled by g++ on first use and cached in $TORCH_EXTENSIONS_DIR/triptych (default ~/.cache/torch_extensions/triptych); torch when no compiler is found)
+    attention_backend: str | None = None  # torch | cpu | triton; unset: triton on CUDA, cpu on a CPU (torch with the decode attention fused in C++, compiled by g++ on first use and cached in $TORCH_EXTENSIONS_DIR/triptych, else ~/.cache/torch_extensions/triptych), torch when no compiler is found
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
     cpu_gemm: str = "onednn"  # fp32 linear layers on the CPU: onednn runs them on weights packed once at load (2-3x faster GEMMs than torch's MKL path, measured on AMD EPYC; each GEMM uses the threads its size pays for) | torch keeps F.linear
     cpu_threads: int | None = None  # torch CPU threads of each engine process (default: one engine takes OMP_NUM_THREADS or every core; pool workers and replicas split this host's cores)

@@ -60,8 +60,8 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads for both sides (default: the thread policy's choice)")
     t.add_argument("--attention-backend", default=None,
-                   help="triptych's attention kernels: torch | cpu | triton (default: the "
-                        "engine's choice, cpu on a CPU where its C++ kernel builds)")
+                   help="triptych's attention kernels: torch | cpu | triton; unset: the "
+                        "engine's choice, cpu on a CPU where its C++ kernel builds")
     t.add_argument("--profile", action="store_true",
                    help="print where triptych's step time goes and its efficiency")
     t.add_argument("--busy-host", action="store_true",
