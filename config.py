@@ -113,7 +113,7 @@ class EngineConfig:
     encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
-    attention_backend: str | None = None  # torch | triton (default: triton on CUDA, torch on CPU)
+    attention_backend: str | None = None  # torch | cpu | triton; unset: triton on CUDA, cpu on a CPU (torch with the decode attention fused in C++, compiled by g++ on first use and cached in $TORCH_EXTENSIONS_DIR/triptych, else ~/.cache/torch_extensions/triptych), torch when no compiler is found
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
     cpu_gemm: str = "onednn"  # fp32 linear layers on the CPU: onednn runs them on weights packed once at load (2-3x faster GEMMs than torch's MKL path, measured on AMD EPYC; each GEMM uses the threads its size pays for) | torch keeps F.linear
     quantization: str | None = None  # int8: the CPU linear layers' weights and the LM head in 8 bits (per-channel, fbgemm's dynamic int8 GEMM; a quarter of fp32's bytes; quality cost in docs/performance.md); CPU only, needs cpu_gemm onednn

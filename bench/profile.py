@@ -85,29 +85,35 @@ class StepProfiler:
 
 class PartTimer:
     """Forward hooks timing the model's parts (one pass; the hooks themselves cost a few us
-    each, so fractions of the forward are shown, not absolute times)."""
+    each, so fractions of the forward are shown, not absolute times), split by the kind of
+    forward: ``decode`` (one query token per sequence) or ``prefill`` (anything else)."""
 
     def __init__(self, model: Any) -> None:
         from triptych.models.attention import PagedAttention
         from triptych.models.qwen2_vl import Qwen2Attention, Qwen2MLP, RMSNorm
 
-        self.totals: dict[str, float] = defaultdict(float)
+        # totals[kind][part] seconds; part "forward" is the whole language model
+        self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._handles = []
         parts = {Qwen2Attention: "attn block", PagedAttention: "paged attention",
                  Qwen2MLP: "mlp", RMSNorm: "rms norm"}
+        self._hook(model.language_model, "forward")
         for mod in model.language_model.modules():
             name = parts.get(type(mod))
             if name is not None:
                 self._hook(mod, name)
 
     def _hook(self, mod: Any, name: str) -> None:
+        from triptych.engine.forward_context import get_forward_context
+
         start: list[float] = []
 
         def pre(*_: Any) -> None:
             start.append(time.perf_counter())
 
         def post(*_: Any) -> None:
-            self.totals[name] += time.perf_counter() - start.pop()
+            kind = "decode" if get_forward_context().attn.max_query_len == 1 else "prefill"
+            self.totals[kind][name] += time.perf_counter() - start.pop()
 
         self._handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
 
@@ -115,8 +121,12 @@ class PartTimer:
         for h in self._handles:
             h.remove()
 
-    def fractions(self, forward_s: float) -> dict[str, float]:
-        t = dict(self.totals)
+    def fractions(self, kind: str) -> dict[str, float]:
+        """Share of the ``kind`` forwards' time in each part (empty if none ran)."""
+        t = dict(self.totals.get(kind, {}))
+        forward_s = t.pop("forward", 0.0)
+        if not forward_s:
+            return {}
         attn = t.pop("attn block", 0.0)
         paged = t.get("paged attention", 0.0)
         t["qkv/o proj + rope"] = attn - paged

@@ -59,6 +59,9 @@ def add_parser(subparsers: Any) -> None:
                    help="triptych max_num_batched_tokens")
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads for both sides (default: the thread policy's choice)")
+    t.add_argument("--attention-backend", default=None,
+                   help="triptych's attention kernels: torch | cpu | triton; unset: the "
+                        "engine's choice, cpu on a CPU where its C++ kernel builds")
     t.add_argument("--profile", action="store_true",
                    help="print where triptych's step time goes and its efficiency")
     t.add_argument("--busy-host", action="store_true",
@@ -122,7 +125,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     w = _resolve(args)
     llm = LLM(w["model"], max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, disable_log_stats=True,
-              cpu_threads=threads, dtype=args.dtype, quantization=args.quantization)
+              cpu_threads=threads, dtype=args.dtype, quantization=args.quantization,
+              attention_backend=args.attention_backend)
 
     def inputs(r: int) -> list[Any]:  # fresh images per round: no cache helps either side
         images = _images(w["num_requests"], w["image_size"], args.seed + 1000 * (r + 1))
@@ -135,6 +139,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     hf = None if args.skip_hf else _HF(w["model"], args.hf_batch_size, w["output_len"], warm)
     res: dict[str, Any] = {"preset": args.preset, **w, "threads": threads,
+                           "attention_backend": llm.engine.attention_backend,
                            "hf_batch_size": args.hf_batch_size, "busy_host": args.busy_host,
                            "machine": machine(), "rounds": []}
     prof = None
@@ -198,13 +203,13 @@ def _profile(llm: Any, prof: Any, processed: list[Any], sp: Any) -> dict[str, An
             print(format_summary(title, s))
             out[kind] = s
     parts = PartTimer(llm.engine.model)
-    before = llm.engine.runner.times.totals["forward"]
     llm.generate(processed, sp, use_tqdm=False)
     parts.close()
-    fr = parts.fractions(llm.engine.runner.times.totals["forward"] - before)
-    print("forward by part (all steps, hooked pass): "
-          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in fr.items()))
-    out["forward_parts"] = fr
+    out["forward_parts"] = {}
+    for kind in ("decode", "prefill"):
+        fr = out["forward_parts"][kind] = parts.fractions(kind)
+        print(f"{kind} forward by part (hooked pass): "
+              + ", ".join(f"{k} {100 * v:.0f}%" for k, v in fr.items()))
     return out
 
 

@@ -24,7 +24,7 @@ class LoadedModel:
     shape: ModelShape
     device: torch.device
     dtype: torch.dtype
-    attention_backend: str  # torch | triton
+    attention_backend: str  # torch | cpu | triton
     max_model_len: int  # resolved from the knob and the checkpoint
     encoder: EncoderRunner  # the vision tower behind its cache (the group's, in a group)
     runner: ModelRunner | None = None  # None for the encode role

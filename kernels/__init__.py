@@ -1,8 +1,10 @@
-"""Attention and normalisation kernels: Triton on CUDA, plain torch on CPU.
+"""Attention and normalisation kernels: Triton on CUDA; on CPU plain torch, with the
+decode attention fused in C++ (``cpu``, the CPU default, built on first use).
 
-``get_ops(backend)`` returns a namespace with the same functions for either backend:
+``get_ops(backend)`` returns a namespace with the same functions for every backend:
 reshape_and_cache, paged_decode_attention, paged_prefill_attention, varlen_attention,
-rms_norm, apply_mrope (signatures in ``torch_ref``).
+rms_norm, apply_mrope (signatures in ``torch_ref``). ``cpu`` is ``torch`` with
+``paged_decode_attention`` from ``cpu_paged_attention``.
 """
 from __future__ import annotations
 
@@ -11,15 +13,30 @@ from types import SimpleNamespace
 
 from triptych.kernels import torch_ref
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
+
+
+def _cpu_kernels() -> bool:
+    from triptych.kernels import cpu_paged_attention  # noqa: PLC0415 (builds on first use)
+
+    return cpu_paged_attention.available()
 
 
 def resolve_backend(backend: str | None, device: str) -> str:
-    """Pick the attention backend: triton on CUDA, torch on CPU, unless told otherwise."""
+    """Pick the attention backend: triton on CUDA; on CPU the fused C++ decode (cpu) when
+    it builds here, else torch (a warning says why). Explicit choices are checked."""
     if backend in (None, "", "auto"):
-        return "triton" if device.startswith("cuda") else "torch"
+        if device.startswith("cuda"):
+            return "triton"
+        return "cpu" if _cpu_kernels() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "cpu":
+        if device.startswith("cuda"):
+            raise ValueError("attention_backend='cpu' runs on the CPU; use triton on CUDA")
+        if not _cpu_kernels():
+            raise ValueError("attention_backend='cpu' needs its C++ kernel, which did not "
+                             "build here (see the warning above); use attention_backend='torch'")
     if backend == "triton" and not device.startswith("cuda"):
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -32,15 +49,23 @@ def resolve_backend(backend: str | None, device: str) -> str:
 
 def get_ops(backend: str) -> SimpleNamespace:
     """The kernel functions of one backend (imported lazily: triton is optional)."""
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         mod = torch_ref
     elif backend == "triton":
         from triptych.kernels import triton_ops as mod  # noqa: PLC0415
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
+    decode = mod.paged_decode_attention
+    if backend == "cpu":
+        if not _cpu_kernels():
+            raise ValueError("attention backend 'cpu': its C++ kernel did not build here; "
+                             "use attention_backend='torch'")
+        from triptych.kernels import cpu_paged_attention  # noqa: PLC0415
+
+        decode = cpu_paged_attention.paged_decode_attention
     return SimpleNamespace(
         reshape_and_cache=mod.reshape_and_cache,
-        paged_decode_attention=mod.paged_decode_attention,
+        paged_decode_attention=decode,
         paged_prefill_attention=mod.paged_prefill_attention,
         varlen_attention=mod.varlen_attention,
         rms_norm=mod.rms_norm,

@@ -201,7 +201,11 @@ def test_wrappers_reject_bad_arguments(monkeypatch):
 
 
 def test_backend_resolution(monkeypatch):
-    assert resolve_backend(None, "cpu") == "torch" and resolve_backend(None, "cuda") == "triton"
+    from triptych.kernels import cpu_paged_attention
+
+    cpu_default = "cpu" if cpu_paged_attention.available() else "torch"  # C++ kernel built?
+    assert resolve_backend(None, "cpu") == cpu_default
+    assert resolve_backend(None, "cuda") == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         resolve_backend("triton", "cpu")
@@ -213,7 +217,8 @@ def test_backend_resolution(monkeypatch):
 
 def test_engine_outputs_equal_across_backends(tiny_qwen2_vl):
     """Greedy tokens unchanged when the engine's kernels switch from torch to Triton (here
-    under the interpreter): paged prefill, decode, KV writes, vision attention, norms, rope."""
+    under the interpreter) or to the fused CPU decode: paged prefill, decode, KV writes,
+    vision attention, norms, rope."""
     import numpy as np
     from PIL import Image
 
@@ -224,16 +229,21 @@ def test_engine_outputs_equal_across_backends(tiny_qwen2_vl):
                                          {"type": "text", "text": "What is it?"}]}]
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
     outs = {}
-    for backend in ("torch", "triton"):
+    from triptych.kernels import cpu_paged_attention
+
+    backends = ("torch", "triton") + (("cpu",) if cpu_paged_attention.available() else ())
+    for backend in backends:
         llm = LLM(tiny_qwen2_vl, block_size=4, attention_backend=backend,
                   max_num_batched_tokens=16)  # chunked: prefill with a cached prefix too
         (outs[backend],) = llm.chat(conv, sp, use_tqdm=False)
         assert llm.engine.attention_backend == backend
-    a, b = outs["torch"].outputs[0], outs["triton"].outputs[0]
-    assert a.token_ids == b.token_ids
-    for x, y in zip(a.logprobs, b.logprobs):
-        for tok in x:
-            assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+    a = outs["torch"].outputs[0]
+    for backend in backends[1:]:
+        b = outs[backend].outputs[0]
+        assert a.token_ids == b.token_ids, backend
+        for x, y in zip(a.logprobs, b.logprobs):
+            for tok in x:
+                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4, backend
 
 
 def test_kernels_compile_for_h100():
