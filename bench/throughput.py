@@ -1,4 +1,4 @@
-"""`triptych bench throughput | serve | multiturn`.
+"""`triptych bench throughput | serve | multiturn | ocr`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
 transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
@@ -66,9 +66,11 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     from triptych.bench import multiturn as bench_multiturn
+    from triptych.bench import ocr as bench_ocr
     from triptych.bench import serve as bench_serve
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
+    bench_ocr.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "multiturn":
         from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)
+    if args.bench_command == "ocr":
+        from triptych.bench import ocr as bench_ocr
+        return bench_ocr.run(args)
     return run_throughput(args)
 
 
