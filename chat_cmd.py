@@ -17,11 +17,11 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "chat", help="interactive multi-turn chat in the terminal",
         description="Interactive chat with a checkpoint. " + _COMMANDS + " Without --model "
-                    "it falls back to the tiny random demo checkpoint (built on first use; "
-                    "its answers are gibberish).")
+                    "it falls back to the built-in demo checkpoint (a tiny model that only "
+                    "transcribes printed text in an image).")
     add_engine_args(p, model_required=False, model_help=(
-        "checkpoint directory or Hugging Face hub id (if unset: the tiny random demo "
-        "checkpoint)"))
+        "checkpoint directory or Hugging Face hub id (if unset: the built-in demo "
+        "checkpoint, a tiny model that transcribes printed text)"))
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     # Engine stats lines every 10 s would land in the middle of answers.
@@ -42,13 +42,13 @@ def _run(args: argparse.Namespace) -> int:
     from triptych.cli import engine_config_from_args, resolve_model
     from triptych.engine.sampling_params import SamplingParams
     from triptych.llm import LLM
-    from triptych.models.demo import DEMO_FLAGS, tiny_checkpoint
+    from triptych.models.demo import demo_checkpoint
 
     model = resolve_model(args.model) if args.model else None
     if model is None:
-        print("no --model given: using the tiny random demo checkpoint (its answers are "
-              "gibberish)")
-        model = tiny_checkpoint("qwen2_vl", **DEMO_FLAGS)
+        print("no --model given: using the built-in demo checkpoint (it only transcribes "
+              "printed text: attach an image with /image)")
+        model = demo_checkpoint()
     cfg = engine_config_from_args(args, model=model,
                                   allowed_local_media_path=args.allowed_local_media_path or os.getcwd())
     kw = {k: getattr(cfg, k) for k in cfg.field_names() if k != "model"}

@@ -1,4 +1,4 @@
-"""`triptych bench throughput | serve | multiturn`.
+"""`triptych bench throughput | serve | multiturn | ocr`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
 transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
@@ -74,10 +74,12 @@ def add_parser(subparsers: Any) -> None:
                    "linear weights on the CPU; HF stays fp32)")
     from triptych.bench import cpu_decode as bench_cpu_decode
     from triptych.bench import multiturn as bench_multiturn
+    from triptych.bench import ocr as bench_ocr
     from triptych.bench import serve as bench_serve
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
     bench_cpu_decode.add_parser(sub)
+    bench_ocr.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "multiturn":
         from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)
+    if args.bench_command == "ocr":
+        from triptych.bench import ocr as bench_ocr
+        return bench_ocr.run(args)
     return run_throughput(args)
 
 

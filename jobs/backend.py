@@ -71,7 +71,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one request may take (--server mode)")
     add_engine_args(p, model_required=False, model_help=(
         "checkpoint directory or Hugging Face hub id for the in-process engine (unset: the "
-        "tiny random demo checkpoint, as `triptych serve`); ignored with --server"))
+        "built-in demo checkpoint, as `triptych serve`); ignored with --server"))
 
 
 def _serve_defaults() -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""Tiny checkpoints built on first use and cached (demo server, benchmarks)."""
+"""The demo checkpoint (trained, shipped in the package) and tiny random checkpoints built
+on first use and cached (tests, benchmarks)."""
 from __future__ import annotations
 
 import hashlib
@@ -40,3 +41,13 @@ def tiny_checkpoint(arch: str = "qwen2_vl", seed: int = 0, **flags: Any) -> str:
         except OSError:  # another process won the race
             pass
     return str(out)
+
+
+def demo_checkpoint() -> str:
+    """The built-in demo model: a tiny Qwen2-VL trained by demo/train.py to transcribe
+    printed text, shipped in the package (demo/ocr_demo; docs/demo-model.md)."""
+    path = Path(__file__).resolve().parents[1] / "demo" / "ocr_demo"
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(f"the demo checkpoint is missing from {path}: reinstall "
+                                "triptych, or pass --model")
+    return str(path)

@@ -99,12 +99,13 @@ def make_tiny_qwen2_vl(arch: str, out_dir: str, *, seed: int = 0, hidden_size: i
               intermediate_size: int | None = None, vision_depth: int = 2,
               vision_embed_dim: int = 32, vision_heads: int = 2, vocab_size: int = 1024,
               model_vocab_size: int | None = None, init_std: float | None = None,
-              max_position_embeddings: int = 8192) -> str:
+              max_position_embeddings: int = 8192, tokenizer: Any = None) -> str:
     """Write a random-weight checkpoint of ``arch`` (qwen2_vl | qwen2_5_vl) to ``out_dir``.
 
     ``vocab_size`` sizes the trained tokenizer; ``model_vocab_size`` (>= it) the embedding,
     as real checkpoints pad their vocab. ``init_std`` defaults to 0.15 for tiny widths so
     different images really change greedy outputs (HF's 0.02 gives near-uniform attention).
+    ``tokenizer`` replaces the trained BPE (it must hold SPECIAL_TOKENS; demo/train.py).
     """
     import torch
     import transformers
@@ -117,7 +118,7 @@ def make_tiny_qwen2_vl(arch: str, out_dir: str, *, seed: int = 0, hidden_size: i
         raise ValueError("hidden_size / num_heads must be a multiple of 4 and num_heads a "
                          "multiple of num_kv_heads")
     os.makedirs(out_dir, exist_ok=True)
-    tok = _train_tokenizer(vocab_size)
+    tok = tokenizer or _train_tokenizer(vocab_size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab = max(model_vocab_size or 0, len(tok))
     std = init_std if init_std is not None else (0.15 if hidden_size <= 256 else 0.02)

@@ -330,12 +330,13 @@ def test_shutdown_is_clean(server):
     assert not os.path.exists(sockets)
 
 
-def test_no_model_serves_a_demo_checkpoint_built_on_first_use(tmp_path):
+def test_no_model_serves_the_built_in_demo_checkpoint(tmp_path):
     s = ServerProc(None, tmp_path / "serve.log", "--max-model-len", "256",
                    env={"TRIPTYCH_CACHE": str(tmp_path / "cache")})
     try:
         log = s.log_path.read_text()
-        assert "building tiny qwen2_vl checkpoint" in log and "demo checkpoint" in log
+        # Shipped in the package: nothing is built, even with an empty cache.
+        assert "built-in demo checkpoint" in log and "building tiny" not in log
         (model,) = httpx.get(s.base + "/v1/models").json()["data"]
         r = httpx.post(s.base + "/v1/chat/completions", json={
             "model": model["id"], "max_tokens": 2,

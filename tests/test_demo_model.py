@@ -1,0 +1,160 @@
+"""The built-in demo model reads: held-out rendered lines (a seed training never used) come
+back with a character error rate under the figure recorded at training time (and under 5%,
+an expected failure while the shipped weights are from a short run: docs/demo-model.md),
+through `triptych ocr` in-process, `triptych serve` + `run-batch --server` and an E+P+D
+layout, with the same greedy output everywhere, and as HF transformers' own model reads
+them (the oracle). A generated PDF of printed pages comes back page by page, in order.
+
+No --model anywhere: the commands pick the shipped checkpoint by themselves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triptych.demo import render
+from triptych.jobs.ocr import DEFAULT_PROMPT
+from triptych.models.demo import demo_checkpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+from server_fixtures import data_url, module_server, png  # noqa: E402
+
+TIMEOUT = 300
+LINES = 12
+MAX_TOKENS = "96"
+LAYOUT = ["--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1"]
+
+
+def recorded_cer() -> float:
+    with open(os.path.join(demo_checkpoint(), "training.json")) as f:
+        return json.load(f)["heldout_cer"]
+
+
+def set_cer(hyps: list[str], refs: list[str]) -> float:
+    errs = [render.cer(h, r) for h, r in zip(hyps, refs, strict=True)]
+    return sum(e for e, _ in errs) / sum(n for _, n in errs)
+
+
+def ocr(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "triptych", "ocr", "--no-progress", "--format",
+                           "jsonl", "--max-tokens", MAX_TOKENS, *args],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def texts(out: Path, names: list[str], stop: bool = True) -> list[list[str]]:
+    """Each document's page texts, in page order (``stop``: each ended by the model)."""
+    result = []
+    for n in names:
+        rows = [json.loads(x) for x in (out / f"{n}.jsonl").read_text().splitlines()]
+        assert [r["page"] for r in rows] == list(range(1, len(rows) + 1))
+        assert all(r["error"] is None and (r["finish_reason"] == "stop" or not stop)
+                   for r in rows), rows
+        result.append([r["text"] for r in rows])
+    return result
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory) -> tuple[Path, list[str], list[str]]:
+    """(folder, document names, transcriptions): LINES held-out lines as PNG files."""
+    d = tmp_path_factory.mktemp("heldout") / "lines"
+    d.mkdir()
+    names, refs = [], []
+    for i, (im, text) in enumerate(render.heldout_lines(LINES)):
+        im.save(d / f"line-{i:02d}.png")
+        names.append(f"lines/line-{i:02d}.png")
+        refs.append(text)
+    return d, names, refs
+
+
+@pytest.fixture(scope="module")
+def in_process(heldout, tmp_path_factory) -> list[str]:
+    folder, names, _ = heldout
+    out = tmp_path_factory.mktemp("ocr-out")
+    r = ocr(str(folder), "-o", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [t for (t,) in texts(out, names)]
+
+
+def test_ocr_in_process_reads_held_out_lines(heldout, in_process: list[str]) -> None:
+    _, _, refs = heldout
+    cer = set_cer(in_process, refs)
+    assert cer <= recorded_cer(), (cer, list(zip(in_process, refs)))
+
+
+@pytest.mark.xfail(recorded_cer() >= 0.05, strict=True,
+                   reason="the shipped weights come from a short run on a loaded box "
+                          "(docs/demo-model.md); a longer run of demo/train.py gets under 5%")
+def test_ocr_in_process_cer_is_under_five_percent(heldout, in_process: list[str]) -> None:
+    _, _, refs = heldout
+    assert set_cer(in_process, refs) < 0.05
+
+
+def test_hf_transformers_reads_them_alike(heldout, in_process: list[str]) -> None:
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from triptych.demo.train import Batcher, greedy
+
+    torch.set_num_threads(1)
+    folder, names, _ = heldout
+    model = Qwen2VLForConditionalGeneration.from_pretrained(demo_checkpoint(),
+                                                            dtype=torch.float32).eval()
+    batcher = Batcher(demo_checkpoint())
+    from PIL import Image
+
+    for i in (0, 1, 2):
+        with Image.open(folder / f"line-{i:02d}.png") as im:
+            assert greedy(model, batcher, im.convert("RGB"), int(MAX_TOKENS)) == in_process[i]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from module_server(None, tmp_path_factory)
+
+
+def test_serve_and_run_batch_server_answer_alike(heldout, in_process: list[str], server,
+                                                 tmp_path: Path) -> None:
+    folder, _, _ = heldout
+    lines = []
+    for i in range(LINES):
+        url = data_url((folder / f"line-{i:02d}.png").read_bytes())
+        lines.append(json.dumps({"custom_id": f"l{i}", "method": "POST",
+                                 "url": "/v1/chat/completions", "body": {
+            "max_tokens": int(MAX_TOKENS), "temperature": 0, "messages": [{"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": DEFAULT_PROMPT}]}]}}))
+    r = subprocess.run([sys.executable, "-m", "triptych", "run-batch", "--no-progress", "-i",
+                        "-", "-o", "-", "--server", server.base], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [json.loads(x)["response"]["body"]["choices"][0]["message"]["content"]
+           for x in r.stdout.splitlines()]
+    assert got == in_process
+
+
+def test_e_p_d_layout_reads_alike(heldout, in_process: list[str], tmp_path: Path) -> None:
+    folder, names, _ = heldout
+    r = ocr(str(folder), "-o", str(tmp_path), *LAYOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "router listening (1e1p1d)" in r.stderr
+    assert [t for (t,) in texts(tmp_path, names)] == in_process
+
+
+def test_a_generated_pdf_reads_page_by_page(tmp_path: Path) -> None:
+    rng = random.Random(4242)
+    pages = [[render.sample_text(rng, 24) for _ in range(n)] for n in (2, 3, 2)]
+    images = [render.render_page(p, rng, width=336, clean=True) for p in pages]
+    images[0].save(tmp_path / "doc.pdf", "PDF", save_all=True, append_images=images[1:],
+                   resolution=72.0)
+    r = ocr(str(tmp_path / "doc.pdf"), "-o", str(tmp_path / "out"), "--dpi", "72")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (got,) = texts(tmp_path / "out", ["doc.pdf"], stop=False)
+    # Pages in order, numbered, each answered. Quality is measured on lines (above); a
+    # page's CER is printed, not asserted, while the shipped weights do not read pages.
+    assert len(got) == len(pages) and all(got)
+    print("page CER", set_cer(got, ["\n".join(p) for p in pages]))
