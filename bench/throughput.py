@@ -1,4 +1,4 @@
-"""`triptych bench throughput | serve | multiturn`.
+"""`triptych bench throughput | serve | multiturn | soak | peer`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
 transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
@@ -67,14 +67,24 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     from triptych.bench import multiturn as bench_multiturn
     from triptych.bench import serve as bench_serve
+    from triptych.bench import peer as bench_peer
+    from triptych.bench import soak as bench_soak
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
+    bench_soak.add_parser(sub)
+    bench_peer.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         from triptych.bench import serve as bench_serve
         return bench_serve.run(args)
+    if args.bench_command == "soak":
+        from triptych.bench import soak as bench_soak
+        return bench_soak.run(args)
+    if args.bench_command == "peer":
+        from triptych.bench import peer as bench_peer
+        return bench_peer.run(args)
     if args.bench_command == "multiturn":
         from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)
