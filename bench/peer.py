@@ -185,7 +185,7 @@ def triptych_child(cfg: dict[str, Any]) -> None:
     llm = LLM(cfg["model"], max_num_seqs=max(cfg["batch_sizes"]), enable_prefix_caching=False,
               disable_log_stats=True, cpu_threads=threads, **knobs)
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
-    prompts = {b: [{"prompt_token_ids": p} for p in batched_bench_prompts(
+    prompts = {b: [list(p) for p in batched_bench_prompts(
         b, cfg["prompt_len"], cfg["vocab"])] for b in cfg["batch_sizes"]}
     llm.generate(prompts[1][:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     print(json.dumps({"ready": True}), flush=True)

@@ -16,10 +16,10 @@ on the heap, and a trim threshold above what a step frees keeps their pages mapp
 How much to keep (the trim threshold: free memory at the heap's top beyond it goes back to
 the kernel): a fixed 1 GiB let every process keep up to 1 GiB it had freed (a soak of
 1e1p1d: P0 +260 MB over glibc's defaults; 2e2p2d could hold 7 GiB). Now it starts at
-TRIM_FLOOR (64 MiB) in every process, and a worker's loop raises it to TRIM_FACTOR x
-the most a recent step left free (``StepTrim``: read after a step with ``mallinfo2``,
-the step's transient working set), capped at TRIM_CEILING: a decode step's few MB stay
-mapped, a rare huge prefill's peak goes back once it leaves the window.
+TRIM_FLOOR (64 MiB), and a worker's loop trims what is free beyond it after steps and
+sizes it to TRIM_FACTOR x what the steps then fault back in (``StepTrim``), capped at
+TRIM_CEILING: a decode step's few MB stay mapped, a rare huge prefill's peak goes back.
+The API process runs no steps and keeps glibc's defaults (``steps=False``).
 
 oneDNN's caches (the packed CPU GEMMs, kernels/cpu_linear.py) are bounded here too: ideep's
 LRU of computations and oneDNN's primitive cache hold one entry per input shape, 1,024 by
@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import sys
 
 logger = logging.getLogger("triptych.allocator")
@@ -47,8 +48,8 @@ MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's maximum on 64-bit: larger blocks st
 TRIM_FLOOR = 64 << 20  # the trim threshold at start, and its least value
 TRIM_CEILING = 1 << 30  # its most (the old fixed value)
 TRIM_FACTOR = 2  # kept: this many times the most a recent step left free
-TRIM_WINDOW = 512  # steps a step's peak is remembered
 TRIM_EVERY = 16  # steps between two reads of mallinfo2 (it walks the free lists)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 ONEDNN_CACHE_ENTRIES = "256"  # ideep's LRU and oneDNN's primitive cache, each
 ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 USER_VARS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
@@ -117,24 +118,31 @@ class _MallInfo2(ctypes.Structure):  # glibc >= 2.33 <malloc.h>
 
 
 class StepTrim:
-    """The trim threshold of a stepping process, sized to what its recent steps freed.
+    """The retention of a stepping process, sized by what its steps take back after a trim.
 
-    ``after_step()`` every step: every TRIM_EVERY steps it reads the bytes the heap holds
-    free (``mallinfo2().fordblks``: what the step allocated and gave back, its transient
-    working set) and sets the threshold to TRIM_FACTOR x the most seen in the last
-    TRIM_WINDOW steps, within [TRIM_FLOOR, TRIM_CEILING]. Does nothing where the policy is
-    not applied (the user's allocator choice) or glibc has no mallinfo2."""
+    ``after_step()`` every step; every TRIM_EVERY steps it reads the bytes the heap holds
+    free (``mallinfo2().fordblks``). Beyond the threshold (at first TRIM_FLOOR) they go
+    back to the kernel (``malloc_trim``: the heap's top and whole free pages inside it).
+    The steps after a trim fault their working set back in: those page faults (minor
+    faults, ``getrusage``) size the threshold, TRIM_FACTOR x that working set within
+    [TRIM_FLOOR, TRIM_CEILING], also given to glibc as its trim threshold. So a decode
+    step's few MB stay mapped, and a rare huge step's peak is returned after it.
+    Does nothing where the policy is not applied (the user's allocator choice) or glibc
+    has no mallinfo2."""
 
     def __init__(self) -> None:
         self.threshold = TRIM_FLOOR
+        self.trims = 0
+        self.working_set = 0  # bytes the steps after the last trim faulted back in
         self._steps = 0
-        self._peaks: list[int] = []  # most free bytes per TRIM_EVERY steps, newest last
+        self._faults_at_trim: int | None = None
         self._libc = None
         if _applied:
             libc = ctypes.CDLL(None)
-            if hasattr(libc, "mallinfo2"):
+            if hasattr(libc, "mallinfo2") and hasattr(libc, "malloc_trim"):
                 libc.mallinfo2.restype = _MallInfo2
                 libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+                libc.malloc_trim.argtypes = [ctypes.c_size_t]
                 self._libc = libc
 
     def free_bytes(self) -> int:
@@ -146,9 +154,18 @@ class StepTrim:
         self._steps += 1
         if self._steps % TRIM_EVERY:
             return
-        self._peaks.append(self.free_bytes())
-        del self._peaks[:-(TRIM_WINDOW // TRIM_EVERY)]
-        want = min(max(TRIM_FACTOR * max(self._peaks), TRIM_FLOOR), TRIM_CEILING)
-        if abs(want - self.threshold) > self.threshold // 4:  # (mallopt takes the heap lock)
-            self._libc.mallopt(M_TRIM_THRESHOLD, want)
-            self.threshold = want
+        if self._faults_at_trim is not None:  # the steps since the trim took this back
+            self.working_set = (_minor_faults() - self._faults_at_trim) * PAGE
+            self._faults_at_trim = None
+            want = min(max(TRIM_FACTOR * self.working_set, TRIM_FLOOR), TRIM_CEILING)
+            if want != self.threshold:
+                self._libc.mallopt(M_TRIM_THRESHOLD, want)
+                self.threshold = want
+        if self.free_bytes() > self.threshold:
+            self._libc.malloc_trim(0)
+            self.trims += 1
+            self._faults_at_trim = _minor_faults()
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
