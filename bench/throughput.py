@@ -66,8 +66,8 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     from triptych.bench import multiturn as bench_multiturn
-    from triptych.bench import serve as bench_serve
     from triptych.bench import peer as bench_peer
+    from triptych.bench import serve as bench_serve
     from triptych.bench import soak as bench_soak
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
