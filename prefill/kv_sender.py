@@ -57,6 +57,11 @@ class KVSender:
         self.transfers = 0  # requests whose KV was handed over in full
         self.sliced = 0  # messages whose KV went rank to rank (tensor-parallel groups)
 
+    @property
+    def num_outgoing(self) -> int:
+        """Requests whose KV is still to send (0 once none is in flight)."""
+        return len(self._out)
+
     def add(self, request_id: str, dest: wire.KVDest) -> None:
         self._out[request_id] = _Outgoing(dest, dest.num_cached_blocks, time.monotonic())
 

@@ -61,6 +61,7 @@ class PrefillWorker(ModelWorker):
         s["kv_lease_renewals_total"] = self.sender.keepalives
         s["kv_transfer_rank_to_rank_total"] = self.sender.sliced
         s["requests_waiting_for_embeddings"] = len(self.inbox)
+        s["tracked_kv_outgoing"] = self.sender.num_outgoing
         return s
 
 
