@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     mod = modules.get(args.command)
     if mod is None:
         parser.error(f"unknown command {args.command}")
-    apply_thread_policy(getattr(args, "cpu_threads", None))
+    # NOTE: `serve`'s process (P0) runs no engine steps: glibc's own allocator thresholds.
+    apply_thread_policy(getattr(args, "cpu_threads", None), steps=args.command != "serve")
     return int(mod.run(args) or 0)
 
 

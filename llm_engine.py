@@ -23,6 +23,7 @@ from triptych.engine.outputs import RequestOutput
 from triptych.engine.request import MMItem
 from triptych.engine.sampling_params import SamplingParams
 from triptych.parallel.loader import load_engine_core
+from triptych.worker.allocator import StepTrim
 from triptych.worker.threads import apply_thread_policy
 
 logger = logging.getLogger("triptych.engine")
@@ -37,6 +38,7 @@ class LLMEngine:
                              "`triptych serve` or LLM(...), not LLMEngine directly")
         # Threads and OpenMP wait policy of this process, before the model runs.
         self.cpu_threads = apply_thread_policy(config.cpu_threads)
+        self.trim = StepTrim()  # the allocator keeps what the steps need (worker/allocator.py)
         if tokenizer is None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
@@ -87,6 +89,7 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outs, stopped = self.outputs.process(self.core.step().outputs)
+        self.trim.after_step()
         self.core.abort(stopped)  # stop strings are found in text, after the core
         self._maybe_log_stats()
         return outs

@@ -1,4 +1,4 @@
-"""`triptych bench throughput | serve | multiturn | ocr`.
+"""`triptych bench throughput | serve | multiturn | ocr | cpu-decode | soak | peer`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
 transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
@@ -75,11 +75,15 @@ def add_parser(subparsers: Any) -> None:
     from triptych.bench import cpu_decode as bench_cpu_decode
     from triptych.bench import multiturn as bench_multiturn
     from triptych.bench import ocr as bench_ocr
+    from triptych.bench import peer as bench_peer
     from triptych.bench import serve as bench_serve
+    from triptych.bench import soak as bench_soak
     bench_serve.add_parser(sub)
     bench_multiturn.add_parser(sub)
     bench_cpu_decode.add_parser(sub)
     bench_ocr.add_parser(sub)
+    bench_soak.add_parser(sub)
+    bench_peer.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "cpu-decode":
         from triptych.bench import cpu_decode as bench_cpu_decode
         return bench_cpu_decode.run(args)
+    if args.bench_command == "soak":
+        from triptych.bench import soak as bench_soak
+        return bench_soak.run(args)
+    if args.bench_command == "peer":
+        from triptych.bench import peer as bench_peer
+        return bench_peer.run(args)
     if args.bench_command == "multiturn":
         from triptych.bench import multiturn as bench_multiturn
         return bench_multiturn.run(args)

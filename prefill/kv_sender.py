@@ -66,6 +66,11 @@ class KVSender:
         self.sliced = 0  # messages whose KV went rank to rank (tensor-parallel groups)
         self.held_back = 0  # messages kept for a later round: their peer's lane was full
 
+    @property
+    def num_outgoing(self) -> int:
+        """Requests whose KV is still to send (0 once none is in flight)."""
+        return len(self._out)
+
     def add(self, request_id: str, dest: wire.KVDest) -> None:
         self._out[request_id] = _Outgoing(dest, dest.num_cached_blocks, time.monotonic())
 

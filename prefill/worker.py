@@ -67,6 +67,7 @@ class PrefillWorker(ModelWorker):
         s["kv_transfer_rank_to_rank_total"] = self.sender.sliced
         s["kv_sends_held_back_total"] = self.sender.held_back
         s["requests_waiting_for_embeddings"] = len(self.inbox)
+        s["tracked_kv_outgoing"] = self.sender.num_outgoing
         return s
 
 

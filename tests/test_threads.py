@@ -68,7 +68,7 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 r0 = rss()
-ts = [torch.ones(1 << 18) for _ in range(64)]  # 64 x 1 MiB, every page touched
+ts = [torch.ones(1 << 18) for _ in range(32)]  # 32 x 1 MiB (< the 64 MiB floor), touched
 r1 = rss()
 del ts
 print(json.dumps({"applied": allocator._applied, "kept": (rss() - r0) / (r1 - r0)}))
@@ -94,3 +94,47 @@ def test_allocator_policy_keeps_freed_pages_unless_the_user_chose(env, applied):
         assert got["kept"] > 0.8  # freed, still mapped: the next step reuses the pages
     else:
         assert got["kept"] < 0.3  # glibc's defaults: 1 MiB blocks go back to the kernel
+
+
+TRIM_CHILD = """
+import json, os
+from triptych.worker.threads import apply_thread_policy
+apply_thread_policy(1)
+import torch
+from triptych.worker import allocator
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+trim = allocator.StepTrim()
+r0 = rss()
+peak = [torch.ones(1 << 18) for _ in range(256)]  # a rare 256 MiB step
+del peak
+after_peak = rss() - r0
+for _ in range(4 * allocator.TRIM_EVERY):  # small steps since
+    x = [torch.ones(1 << 18) for _ in range(4)]
+    del x
+    trim.after_step()
+print(json.dumps({"after_peak": after_peak, "end": rss() - r0, "threshold": trim.threshold,
+                  "trims": trim.trims, "working_set": trim.working_set,
+                  "env": [os.environ.get(v) for v in allocator.ONEDNN_CACHE_VARS]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, /proc")
+def test_allocator_keeps_what_recent_steps_free_not_an_old_peak():
+    """A peak far beyond what the steps need is given back after the steps that follow it,
+    and the threshold follows what those steps take back (within its floor); oneDNN's
+    per-shape caches get a bound unless the user chose one."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in (
+                "GLIBC_TUNABLES", "TRIPTYCH_MALLOC_POLICY", "LRU_CACHE_CAPACITY",
+                "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", TRIM_CHILD], env=base, capture_output=True,
+                         check=False, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 1 << 20
+    assert got["after_peak"] > 200 * mib, got  # freed, not yet returned
+    assert got["end"] < 100 * mib, got  # returned once steps ran that need far less
+    assert got["trims"] >= 1 and got["threshold"] < 128 * mib, got
+    assert got["env"] == ["256", "256"]

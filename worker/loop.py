@@ -36,6 +36,7 @@ import msgspec
 import zmq
 from triptych.engine.model_runner import RunnerBroken
 from triptych.worker import wire
+from triptych.worker.allocator import StepTrim
 from triptych.worker.heartbeat import HeartbeatThread
 
 logger = logging.getLogger("triptych.worker")
@@ -247,6 +248,7 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
     if data is not None:
         poller.register(data, zmq.POLLIN)
     last_stats = last_hello = time.monotonic()
+    trim = StepTrim()  # the allocator keeps what recent steps need (worker/allocator.py)
     while True:
         _check_parent(spec)
         timeout = 0 if handler.has_work() else IDLE_POLL_MS
@@ -271,6 +273,7 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
                 replies = handler.step()
             finally:
                 heartbeat.step_ends()
+            trim.after_step()
             for reply in replies:
                 _send(sock, reply, spec)
             for reply in handler.after_step():

@@ -208,7 +208,23 @@ class ModelWorker(Handler):
                    or it.mm_hash in self.core.encoder.cache for it in req.mm_items)
 
     def stats(self) -> dict[str, float]:
-        return self.core.stats() | self.pixels.stats() | self.core.loaded.weight_stats()
+        return self.core.stats() | self.pixels.stats() | self.core.loaded.weight_stats() | \
+            self.tracked()
+
+    def tracked(self) -> dict[str, float]:
+        """Entries of every per-request structure (``tracked_<name>``): all back to 0 once
+        no request is in flight, or one of them leaks (tests/test_soak_bounds.py); the
+        persistent batch keeps its last step's rows (<= max_num_seqs) until the next step."""
+        core = self.core
+        out = {"tracked_requests": len(core.scheduler.requests),
+               "tracked_kv_requests": len(core.kv.req_blocks) + len(core.kv.handed_off),
+               "tracked_batch_rows": len(core.runner.batch.index),
+               "tracked_seeded_generators": len(core.runner.sampler._generators),
+               "tracked_grammar_waits": len(self.grammar_wait),
+               "tracked_encoder_pins": len(core.encoder.cache._refs)}
+        if self.inbox is not None:
+            out["tracked_embedding_waits"] = len(self.inbox)
+        return out
 
     def close(self) -> None:
         self.pixels.close()

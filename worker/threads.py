@@ -110,18 +110,19 @@ def _env_threads() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def apply_thread_policy(num_threads: int | None) -> int:
+def apply_thread_policy(num_threads: int | None, steps: bool = True) -> int:
     """Choose this process's torch threads; returns the intra-op thread count chosen.
 
     ``num_threads`` None means OMP_NUM_THREADS if the user set it, else every core this
     process may use (one engine per host). Inter-op threads are set to 1: the engine
     issues one op at a time and never forks torch work, so a second pool only idles.
     Also applies the allocator policy (``worker/allocator.py``): every torch process
-    comes through here.
+    comes through here; ``steps`` False (the API process of `triptych serve`, which runs
+    no engine steps) keeps glibc's own thresholds.
     """
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {num_threads}")
-    apply_allocator_policy()  # keep freed pages mapped (worker/allocator.py)
+    apply_allocator_policy(steps)  # keep what steps free mapped (worker/allocator.py)
     n = num_threads or _env_threads() or host_cores()
     if "torch" not in sys.modules:
         early_env(n)  # still in time for the OpenMP runtime
