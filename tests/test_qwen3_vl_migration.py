@@ -1,5 +1,5 @@
-"""Qwen3-VL after a migration: a `triptych serve` 1e1p2d on the tiny Qwen3-VL checkpoint, a
-stream whose decode worker is killed (kill -9) mid-stream continues on the other decode
+"""Qwen3-VL (dense and MoE) after a migration: a `triptych serve` 1e1p2d on a tiny Qwen3-VL
+checkpoint, a stream whose decode worker is killed (kill -9) mid-stream continues on the other decode
 worker, and its full text equals an undisturbed run's (whose ids equal HF's: see
 test_qwen3_vl.py). The resumed request is recomputed by a prefill with its image's
 payload (embedding + DeepStack) encoded again."""
@@ -23,11 +23,13 @@ pytest.importorskip("openai")
 MAX_LEN = 2048
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def tiny(request, tmp_path_factory) -> str:
+    """Dense and MoE: the MoE's fused experts must resume a stream as the dense MLP does."""
     from triptych.models.tiny import make_tiny
 
-    return make_tiny("qwen3_vl", str(tmp_path_factory.mktemp("tiny") / "qwen3_vl"), seed=0)
+    arch = request.param
+    return make_tiny(arch, str(tmp_path_factory.mktemp("tiny") / arch), seed=0)
 
 
 @pytest.fixture(scope="module")
