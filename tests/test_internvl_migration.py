@@ -8,10 +8,7 @@ refuses a video with a 400 that says InternVL takes images only."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
-import time
 
 import httpx
 import pytest
@@ -20,7 +17,7 @@ from triptych import LLM
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import (data_url, image_part, img, module_server, png, separated_prompt,
                              text_part, user, video_part)
-from test_pool_failures import busy_worker, stream, wait_ok
+from test_pool_failures import kill_mid_stream, wait_ok
 
 pytest.importorskip("openai")
 MAX_LEN = 2048
@@ -47,19 +44,9 @@ def test_a_stream_survives_its_pd_worker(server, tiny):
         user(image_part(data_url(png(img(11 + i, 120, 56)))), text_part("Tell me a long story."))
         for i in range(12)], 200)
     offline.close()
-    client = server.openai_client(timeout=180)
-    out: dict = {}
-    t = threading.Thread(target=stream, args=(client, msgs, 200, out, "a"))
-    t.start()
-    deadline = time.time() + 120
-    while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):
-        time.sleep(0.02)
-    victim = busy_worker(server, "decode", 10)
-    assert victim is not None
-    os.kill(victim["pid"], signal.SIGKILL)
-    t.join(180)
-    assert out["a"]["error"] is None
-    assert out["a"]["text"] == ref, "the stream resumed on the other PD worker"
+    got = kill_mid_stream(server, msgs, 200)
+    assert got["error"] is None
+    assert got["text"] == ref, "the stream resumed on the other PD worker"
     assert server.metric("triptych:request_migrations_total") >= 1
     assert wait_ok(server)
 

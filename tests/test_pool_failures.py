@@ -92,6 +92,23 @@ def wait_ok(s: ServerProc, timeout: float = 180) -> bool:
     return False
 
 
+def kill_mid_stream(s: ServerProc, msgs: list[dict], n: int) -> dict:
+    """Stream ``msgs`` (n tokens), kill -9 the decode worker holding it after 5 chunks, and
+    return the finished stream ({"text", "error", "chunks"}) once it ends elsewhere."""
+    client = s.openai_client(timeout=180)
+    out: dict = {}
+    t = threading.Thread(target=stream, args=(client, msgs, n, out, "a"))
+    t.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):
+        time.sleep(0.02)
+    victim = busy_worker(s, "decode", 10)
+    assert victim is not None
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(180)
+    return out["a"]
+
+
 def restarts(s: ServerProc, pool: str) -> int:
     return sum(w["restarts"] for w in
                httpx.get(s.base + "/health", timeout=5).json()["pools"][pool]["workers"])

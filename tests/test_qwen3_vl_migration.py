@@ -6,10 +6,7 @@ payload (embedding + DeepStack) encoded again."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
-import time
 
 import pytest
 from triptych import LLM
@@ -17,7 +14,7 @@ from triptych import LLM
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import (data_url, image_part, img, make_video, module_server, png,
                              separated_prompt, text_part, user, video_part)
-from test_pool_failures import busy_worker, stream, wait_ok
+from test_pool_failures import kill_mid_stream, wait_ok
 
 pytest.importorskip("openai")
 MAX_LEN = 2048
@@ -51,19 +48,9 @@ def test_a_stream_survives_its_decode_worker(server, offline):
     msgs, ref = separated_prompt(offline, [
         user(image_part(data_url(png(img(11 + i, 64, 96)))), text_part("Tell me a long story."))
         for i in range(12)], 300)
-    client = server.openai_client(timeout=180)
-    out: dict = {}
-    t = threading.Thread(target=stream, args=(client, msgs, 300, out, "a"))
-    t.start()
-    deadline = time.time() + 120
-    while time.time() < deadline and not ("a" in out and out["a"]["chunks"] >= 5):
-        time.sleep(0.02)
-    victim = busy_worker(server, "decode", 10)
-    assert victim is not None
-    os.kill(victim["pid"], signal.SIGKILL)
-    t.join(180)
-    assert out["a"]["error"] is None
-    assert out["a"]["text"] == ref, "the stream resumed on the other decode worker"
+    got = kill_mid_stream(server, msgs, 300)
+    assert got["error"] is None
+    assert got["text"] == ref, "the stream resumed on the other decode worker"
     assert server.metric("triptych:request_migrations_total") >= 1
     assert wait_ok(server)
 
