@@ -248,6 +248,28 @@ def test_losing_nodes_mid_stream(server, cluster):
     assert _ask(server, msgs, LONG) == want  # through the replaced prefill worker
 
 
+def test_1e2p2d_on_ray_nodes_equals_hf(server, cluster):
+    """Grown to 1e2p2d (a second prefill worker on a new prefill node): every worker serves,
+    and the greedy tokens stay the ones test_pools_on_ray_nodes_equal_hf checked against HF
+    (the image prompt through both prefill workers too)."""
+    c, nodes = cluster
+    pic = user(image_part(data_url(png(img(1, 56, 84)))), text_part("What is it?"))
+    want = {"text": _ask(server, TEXT), "image": _ask(server, pic)}
+    nodes["pre3"] = c.add_node(num_cpus=1, resources={"pre_node": 1})
+    assert _resize(server, "prefill", 2)["added"] == ["prefill-1"]
+    wait_for(lambda: len(_up(server, "prefill")) == 2 and len(_up(server, "decode")) == 2,
+             "1e2p2d up", timeout=180)
+    assert len({w["node"]["node_id"] for w in _up(server, "prefill")}) == 2
+    before = {w["name"]: w["served"] for p in ("prefill", "decode") for w in _workers(server, p)}
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda k: (k, _ask(server, TEXT if k == "text" else pic)),
+                          ["text", "image"] * 4))
+    assert all(ids == want[k] for k, ids in got)
+    after = {w["name"]: w["served"] for p in ("prefill", "decode") for w in _workers(server, p)}
+    assert sorted(after) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert after["prefill-1"] > before.get("prefill-1", 0), after
+
+
 def test_shrinking_drains_without_a_failed_request(server):
     for body in ({"pool": "vision", "workers": 1}, {"pool": "decode", "workers": 0},
                  {"pool": "decode", "workers": "2"}):
@@ -275,9 +297,11 @@ def _placement_groups(s: ServerProc) -> list[dict]:
 
 
 def test_sigterm_leaves_no_actor_or_placement_group(server):
-    assert len(_placement_groups(server)) == 3
+    n = sum(httpx.get(server.base + "/admin/pools", timeout=10).json()["pools"].values())
+    assert n >= 3  # 1e2p1d here, after the tests above grew and shrank it
+    assert len(_placement_groups(server)) == n
     actors = {p for p in _pids() if _cmd(p).startswith("ray::PoolWorkerActor")}
-    assert len(actors) == 3
+    assert len(actors) == n
     assert server.stop(signal.SIGTERM, timeout=90) in (0, -signal.SIGTERM)  # its own exit
     assert "Application shutdown complete" in server.log_path.read_text()
     wait_for(lambda: not _placement_groups(server), "the placement groups removed")
