@@ -220,7 +220,9 @@ class Router:
         taken for frozen (being killed); ``slow_steps``: live workers inside one step for
         longer than the heartbeat timeout (shown, not killed: a big image can take that).
         ``weights``: {"parts": all | vision | language, "bytes": {"vision", "language"}},
-        the weights its process holds, measured at load (from its hello; {} before it)."""
+        the weights its process holds, measured at load (from its hello; {} before it);
+        a tensor-parallel group adds "ranks": each rank's bytes, rank 0 first, as each
+        rank process measured its own."""
         pools: dict[str, Any] = {}
         now = time.monotonic()
         for pool in self.layout.pools:
@@ -396,4 +398,7 @@ def _weights(info: dict[str, Any]) -> dict[str, Any]:
     """A worker's loaded parts and weight bytes, as its hello said ({} before one came)."""
     if not info.get("weight_parts"):
         return {}
-    return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {})}
+    out = {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {})}
+    if info.get("rank_weight_bytes"):  # a tensor-parallel group: each rank's own
+        out["ranks"] = [dict(r) for r in info["rank_weight_bytes"]]
+    return out
