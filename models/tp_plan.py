@@ -186,10 +186,12 @@ def _shard_vision(visual: Any, ctx: TPContext) -> None:
 
 
 def check_layout_tp(config: Any) -> None:
-    """Every pool's tensor_parallel_size against the checkpoint (EngineConfig), before any
-    worker process starts: ValueError naming the sizes that do not divide."""
-    sizes = {p: config.pool_tensor_parallel_size(p) for p in
-             ("colocated", "encode", "prefill", "decode")}
+    """Every pool's tensor_parallel_size against the checkpoint (EngineConfig) and the
+    parts its workers load, before any worker process starts: ValueError naming the sizes
+    that do not divide. (The pools as router/layout.py makes them.)"""
+    pools = [p for p in ("encode", "prefill", "decode") if getattr(config, f"{p}_workers")] \
+        if config.decode_workers else ["colocated"]
+    sizes = {p: config.pool_tensor_parallel_size(p) for p in pools}
     if all(t == 1 for t in sizes.values()):
         return
     from transformers import AutoConfig

@@ -104,10 +104,10 @@ def test_which_parts_each_worker_loads(tiny_qwen2_vl, knobs, role, pool, want):
 
 
 def test_a_group_checks_only_the_sizes_of_its_parts(tiny_qwen2_vl):
-    """3 ranks divide neither the tiny LM's heads nor its tower's; the refusal of a group
-    names the sizes of the parts it loads only."""
+    """3 ranks divide neither the tiny LM's heads nor its tower's; a group (and a pool of
+    a layout) is refused for the sizes of the parts it loads only."""
     from transformers import AutoConfig
-    from triptych.models.tp_plan import check_tp_sizes
+    from triptych.models.tp_plan import check_layout_tp, check_tp_sizes
 
     hf = AutoConfig.from_pretrained(tiny_qwen2_vl, local_files_only=True)
     with pytest.raises(ValueError) as e:
@@ -116,6 +116,12 @@ def test_a_group_checks_only_the_sizes_of_its_parts(tiny_qwen2_vl):
     with pytest.raises(ValueError) as e:
         check_tp_sizes(hf, 3, "weights", "language")
     assert "num_attention_heads=" in str(e.value) and "vision" not in str(e.value)
+    # a whole tower on each of 3 encode ranks ("data") splits nothing: allowed in E+PD
+    knobs = {"model": tiny_qwen2_vl, "encode_workers": 1, "decode_workers": 1,
+             "mm_encoder_tp_mode": "data"}
+    check_layout_tp(EngineConfig(**knobs, encode_tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="num_attention_heads="):
+        check_layout_tp(EngineConfig(**knobs, decode_tensor_parallel_size=3))
 
 
 @pytest.mark.parametrize("arch,mode", [("qwen3_vl", "weights"), ("internvl", "data")])
