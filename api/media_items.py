@@ -155,7 +155,8 @@ class MediaItems:
             raise MediaError(f"video is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
         pv, grid = preprocess_video(frames, ip, min_pixels=self.video_min_pixels,
                                     max_pixels=self.video_max_pixels,
-                                    per_video=self.contract.video_timestamps)
+                                    per_video=self.contract.video_timestamps,
+                                    frame_cap_tokens=self.video_frame_cap_tokens)
         return MMItem("video", key, 0, 0, grid, torch.from_numpy(pv),
                       ip.temporal_patch_size / fps), len(frames)
 

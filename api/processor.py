@@ -69,10 +69,13 @@ class InputProcessor(MediaItems):
                 vcfg = json.load(f)
         self.video_min_pixels = vcfg.get("min_pixels", 128 * 28 * 28)
         self.video_max_pixels = vcfg.get("max_pixels", 768 * 28 * 28)
+        self.video_frame_cap_tokens: int | None = None  # Qwen3-VL's cap (api/media/video.py)
         if contract.video_timestamps:  # Qwen3-VL: one budget for the whole clip, in `size`
             size = vcfg.get("size") or {}
             self.video_min_pixels = size.get("shortest_edge", 128 * 32 * 32)
             self.video_max_pixels = size.get("longest_edge", 768 * 32 * 32)
+            if vcfg.get("cap_pixels_per_frame"):
+                self.video_frame_cap_tokens = int(vcfg.get("max_video_tokens", 768))
         ip = self.image_processor
         # Everything that changes the processor's output goes into the content hash (the
         # contract names the settings: tiling models add their crop settings).
@@ -80,8 +83,10 @@ class InputProcessor(MediaItems):
         self.video_hash_kwargs: dict[str, Any] = {}
         if "video" in self.modalities:
             common = {k: v for k, v in self.image_hash_kwargs.items() if k != "size"}
+            cap = self.video_frame_cap_tokens
             self.video_hash_kwargs = {**common,
-                                      "pixels": [self.video_min_pixels, self.video_max_pixels]}
+                                      "pixels": [self.video_min_pixels, self.video_max_pixels],
+                                      **({"frame_cap": cap} if cap else {})}
         self.placeholder_tokens = contract.placeholder_tokens
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t)
                                   for t in self.placeholder_tokens}

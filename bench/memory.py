@@ -5,7 +5,9 @@ For each layout (bench/layouts.py names: colocated, 1e1p1d, 1e1pd, ...) it start
 the weight parts it loaded and their bytes (what /health reports, measured by the worker
 at load), and its resident set size (VmRSS of its pid, read from /proc: local workers
 only). The serve process itself (API + router, the workers' parent) gets a row too. One
-request with an image goes through first, so every worker has run its part once.
+request with an image goes through first, so every worker has run its part once. With
+``--tensor-parallel-size N`` each worker is a group: one row per rank (``name/rK``), its
+bytes as that rank process measured them (RSS: rank 0's only).
 """
 from __future__ import annotations
 
@@ -57,23 +59,28 @@ def _one_request(base: str) -> None:
     r.raise_for_status()
 
 
-def measure(model: str, layout: str, log_path: str) -> list[dict]:
+def measure(model: str, layout: str, log_path: str, tp: int = 1) -> list[dict]:
     import httpx
 
     from triptych.bench.layouts import layout_flags, serving
 
-    with serving(model, layout_flags(layout) + ["--served-model-name", "bench"],
-                 log_path) as base:
+    flags = layout_flags(layout) + ["--served-model-name", "bench"]
+    if tp > 1:
+        flags += ["--tensor-parallel-size", str(tp)]
+    with serving(model, flags, log_path) as base:
         _one_request(base)
         pools = httpx.get(base + "/health", timeout=10).json()["pools"]
         rows, parent = [], None
         for pool, p in pools.items():
             for w in p["workers"]:
-                b = w.get("weights", {}).get("bytes", {})
-                rows.append({"layout": layout, "worker": w["name"], "pool": pool,
-                             "parts": w.get("weights", {}).get("parts"),
-                             "vision_bytes": b.get("vision"), "language_bytes": b.get("language"),
-                             "rss_bytes": _rss(w["pid"])})
+                weights = w.get("weights", {})
+                ranks = weights.get("ranks") or [weights.get("bytes", {})]
+                for r, b in enumerate(ranks):
+                    rows.append({"layout": layout, "pool": pool, "parts": weights.get("parts"),
+                                 "worker": w["name"] + (f"/r{r}" if len(ranks) > 1 else ""),
+                                 "vision_bytes": b.get("vision"),
+                                 "language_bytes": b.get("language"),
+                                 "rss_bytes": _rss(w["pid"]) if r == 0 else None})
                 parent = parent or (w["pid"] and _parent(w["pid"]))
         rows.append({"layout": layout, "worker": "serve (API + router)", "pool": "-",
                      "parts": "-", "vision_bytes": 0, "language_bytes": 0,
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="architecture of the random checkpoint (ignored with --model)")
     p.add_argument("--layouts", default="colocated,1e1p1d",
                    help="comma-separated layouts (bench/layouts.py names)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of every worker (one row per rank)")
     p.add_argument("--json-out", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     from triptych.models.demo import BENCH_FLAGS, tiny_checkpoint
@@ -105,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
-            rows += measure(model, layout, os.path.join(tmp, f"{layout}.log"))
+            rows += measure(model, layout, os.path.join(tmp, f"{layout}.log"),
+                            args.tensor_parallel_size)
     print(f"{'layout':<10} {'worker':<22} {'parts':<9} {'vision MiB':>11} "
           f"{'language MiB':>13} {'RSS MiB':>9}")
     for r in rows:

@@ -56,7 +56,8 @@ class EncodeWorker(Handler):
         return wire.Hello(spec.worker_id, spec.pool, os.getpid(), 0, 0, self.connector.address,
                           self.runner.cache.capacity_bytes,
                           weight_parts=self.loaded.weight_parts,
-                          weight_bytes=dict(self.loaded.weight_bytes or {}))
+                          weight_bytes=dict(self.loaded.weight_bytes or {}),
+                          rank_weight_bytes=self.loaded.group_weight_bytes())
 
     def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]:
         if isinstance(msg, wire.AbortRequest):

@@ -32,11 +32,21 @@ class LoadedModel:
     group: Any = None  # rank 0's TPGroup (parallel/group.py), None for one process
     weight_parts: str = "all"  # all | vision | language: the submodules this process built
     weight_bytes: dict[str, int] | None = None  # measured bytes per part (vision, language)
+    # each rank's weight_bytes, rank 0 first, as each process measured its own (a group)
+    rank_weight_bytes: list[dict[str, int]] | None = None
 
     def weight_stats(self) -> dict[str, float]:
-        """The worker's resident weight bytes per part, for its stats (and /metrics)."""
-        held = self.weight_bytes or {}
-        return {f"weight_bytes_{k}": float(v) for k, v in held.items()}
+        """The worker's resident weight bytes per part, all its ranks together, for its
+        stats (and /metrics)."""
+        out: dict[str, float] = {}
+        for held in self.rank_weight_bytes or [self.weight_bytes or {}]:
+            for k, v in held.items():
+                out[f"weight_bytes_{k}"] = out.get(f"weight_bytes_{k}", 0.0) + v
+        return out
+
+    def group_weight_bytes(self) -> list[dict[str, int]]:
+        """Each rank's weight bytes in a group ([] for one process: ``weight_bytes``)."""
+        return [dict(r) for r in self.rank_weight_bytes or []] if self.group is not None else []
 
     @property
     def tp_size(self) -> int:

@@ -207,8 +207,6 @@ class Qwen2VLForCausalLM(nn.Module):
                 if not self.tie_word_embeddings:
                     self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         if tp is not None and tp.size > 1:
-            if parts != "all":
-                raise ValueError("a tensor-parallel group loads every part of the model")
             from triptych.models.tp_plan import shard_qwen2_vl
             shard_qwen2_vl(self, tp, shard_vision)
         self.to(dtype=dtype)

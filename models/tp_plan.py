@@ -11,7 +11,10 @@ A transform on the freshly built (meta-device) model, before any memory is alloc
                      first layer column-parallel, their partners row-parallel;
                      "data": untouched (every rank holds the whole tower)
 
-Norms, rotary tables and the patch embedding stay whole on every rank.
+Norms, rotary tables and the patch embedding stay whole on every rank. A group that
+loads one part of the model (models/weight_parts.py: an encode pool's the tower, a
+prefill/decode pool's beside an encode pool the language model) builds and splits only
+that part, on every rank, and only that part's sizes must divide.
 """
 from __future__ import annotations
 
@@ -38,16 +41,20 @@ def local_kv_heads(num_kv_heads: int, size: int) -> int:
     return max(1, num_kv_heads // size)
 
 
-def _constraints(hf: Any, shard_vision: bool) -> list[tuple[str, int, bool]]:
-    """(name, size, may_replicate): sizes that tensor_parallel_size must divide."""
+def _constraints(hf: Any, shard_vision: bool, parts: str = "all"
+                 ) -> list[tuple[str, int, bool]]:
+    """(name, size, may_replicate): sizes that tensor_parallel_size must divide (those of
+    the ``parts`` a group loads)."""
     text = getattr(hf, "text_config", None) or hf
-    out = [("num_attention_heads", text.num_attention_heads, False),
-           ("num_key_value_heads", text.num_key_value_heads, True),
-           ("intermediate_size", text.intermediate_size, False),
-           ("vocab_size", text.vocab_size, False)]
-    if getattr(text, "num_experts", 0):
-        out.append(("moe_intermediate_size", text.moe_intermediate_size, False))
-    if shard_vision:
+    out: list[tuple[str, int, bool]] = []
+    if parts != "vision":
+        out += [("num_attention_heads", text.num_attention_heads, False),
+                ("num_key_value_heads", text.num_key_value_heads, True),
+                ("intermediate_size", text.intermediate_size, False),
+                ("vocab_size", text.vocab_size, False)]
+        if getattr(text, "num_experts", 0):
+            out.append(("moe_intermediate_size", text.moe_intermediate_size, False))
+    if shard_vision and parts != "language":
         v = hf.vision_config
         if hf.model_type == "qwen2_vl":
             dim, mlp = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
@@ -63,9 +70,10 @@ def _fits(size: int, n: int, may_replicate: bool) -> bool:
     return n % size == 0 or (may_replicate and size % n == 0)
 
 
-def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
-    """Raise ValueError (one line) when the model cannot split ``size`` ways: it names the
-    sizes that do not divide and the tensor_parallel_size values that work."""
+def check_tp_sizes(hf: Any, size: int, encoder_mode: str, parts: str = "all") -> None:
+    """Raise ValueError (one line) when the model (the ``parts`` a group loads) cannot
+    split ``size`` ways: it names the sizes that do not divide and the
+    tensor_parallel_size values that work."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     from triptych.models.contract import contract_for
@@ -74,7 +82,7 @@ def check_tp_sizes(hf: Any, size: int, encoder_mode: str) -> None:
         raise ValueError(f"{hf.model_type} has no tensor-parallel plan yet: use "
                          "tensor_parallel_size=1")
     shard_vision = encoder_mode == "weights" and contract_for(hf).shards_vision_weights
-    cons = _constraints(hf, shard_vision=shard_vision)
+    cons = _constraints(hf, shard_vision=shard_vision, parts=parts)
     bad = [f"{name}={n}" for name, n, rep in cons if not _fits(size, n, rep)]
     if not bad:
         return
@@ -98,9 +106,14 @@ def resolve_encoder_mode(model_cls: type, requested: str, size: int) -> str:
 
 
 def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
-    """Swap the layers of a meta-device Qwen2VLForCausalLM for rank ``ctx.rank``'s shards."""
+    """Swap the layers of a meta-device Qwen2VLForCausalLM for rank ``ctx.rank``'s shards:
+    the parts the model was built with (``model.parts``, models/weight_parts.py) only."""
     text = getattr(model.config, "text_config", None) or model.config
     with torch.device("meta"):
+        if shard_vision and model.parts != "language":
+            _shard_vision(model.visual, ctx)
+        if model.parts == "vision":
+            return
         lm = model.language_model
         lm.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size, ctx)
         if not model.tie_word_embeddings:
@@ -120,8 +133,6 @@ def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
                 bias=False)
             mlp.down_proj = RowParallelLinear(mlp.inter, text.hidden_size, False, ctx)
             mlp.inter //= ctx.size
-        if shard_vision:
-            _shard_vision(model.visual, ctx)
 
 
 def _shard_attention(a: Any, hidden: int, ctx: TPContext) -> None:
@@ -175,16 +186,21 @@ def _shard_vision(visual: Any, ctx: TPContext) -> None:
 
 
 def check_layout_tp(config: Any) -> None:
-    """Every pool's tensor_parallel_size against the checkpoint (EngineConfig), before any
-    worker process starts: ValueError naming the sizes that do not divide."""
-    sizes = {p: config.pool_tensor_parallel_size(p) for p in
-             ("colocated", "encode", "prefill", "decode")}
+    """Every pool's tensor_parallel_size against the checkpoint (EngineConfig) and the
+    parts its workers load, before any worker process starts: ValueError naming the sizes
+    that do not divide. (The pools as router/layout.py makes them.)"""
+    pools = [p for p in ("encode", "prefill", "decode") if getattr(config, f"{p}_workers")] \
+        if config.decode_workers else ["colocated"]
+    sizes = {p: config.pool_tensor_parallel_size(p) for p in pools}
     if all(t == 1 for t in sizes.values()):
         return
     from transformers import AutoConfig
     from triptych.models.registry import resolve_model_class
+    from triptych.models.weight_parts import parts_for_pool
 
     hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
     cls = resolve_model_class(getattr(hf, "architectures", None))
-    for size in sorted(set(sizes.values())):
-        check_tp_sizes(hf, size, resolve_encoder_mode(cls, config.mm_encoder_tp_mode, size))
+    for size, parts in sorted({(t, parts_for_pool(p, config.encode_workers))
+                               for p, t in sizes.items()}):
+        check_tp_sizes(hf, size, resolve_encoder_mode(cls, config.mm_encoder_tp_mode, size),
+                       parts)

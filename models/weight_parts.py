@@ -24,6 +24,18 @@ def check_parts(parts: str) -> str:
     return parts
 
 
+def parts_for_pool(pool: str, encode_workers: int) -> str:
+    """The parts a worker of ``pool`` runs (every rank of its group alike): an encode
+    worker the tower; a prefill or decode worker of a layout with an encode pool the
+    language model (its images arrive encoded); everyone else (colocated, P+D, PD, LLM)
+    both."""
+    if pool == "encode":
+        return "vision"
+    if pool in ("prefill", "decode") and encode_workers > 0:
+        return "language"
+    return "all"
+
+
 def part_of(name: str) -> str:
     """``vision`` or ``language``: which part one of our parameter names belongs to."""
     return "vision" if name.startswith("visual.") else "language"

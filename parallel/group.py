@@ -42,6 +42,7 @@ from triptych.parallel.context import TPContext, TPGroupError
 
 logger = logging.getLogger("triptych.tp")
 JOIN_TIMEOUT_S = 120.0  # ranks import torch and join the rendezvous within this
+LOAD_TIMEOUT_S = 600.0  # ranks read their shard of the checkpoint within this (hang guard)
 WATCH_INTERVAL_S = 0.2
 SEND_TIMEOUT_MS = 30_000  # a rank takes commands as fast as rank 0 sends them
 
@@ -55,6 +56,8 @@ class RankSpec(msgspec.Struct, kw_only=True):
     config: dict[str, Any]  # EngineConfig keyword arguments (as rank 0's)
     role: str  # engine (model + KV cache) | encode (vision tower only is used)
     encoder_mode: str  # weights | data (resolved by rank 0)
+    weight_parts: str = "all"  # all | vision | language: what every rank builds and reads
+    # (models/weight_parts.py), as rank 0 chose it for its pool
     parent_pid: int  # rank 0: exit when it is gone
     num_threads: int = 1  # torch intra-op threads of this rank
     data_kind: str = ""  # a pool worker's group: each rank's KV endpoint (shm | tcp), rank
@@ -80,8 +83,9 @@ class TPGroup:
 
     def __init__(self, config: dict[str, Any], size: int, role: str, encoder_mode: str,
                  device: torch.device, num_threads: int | None = None, data_kind: str = "",
-                 key_name: str | None = None) -> None:
+                 key_name: str | None = None, weight_parts: str = "all") -> None:
         self.size, self.role, self.encoder_mode = size, role, encoder_mode
+        self.weight_parts = weight_parts
         self.rank_addresses: list[str] = []  # ranks 1..N-1's KV endpoints (data_kind set)
         self.broken: str | None = None
         self._closing = self._raised = False
@@ -103,10 +107,11 @@ class TPGroup:
             for r in range(1, size):
                 self._spawn(RankSpec(rank=r, size=size, run_dir=self.run_dir, config=config,
                                      role=role, encoder_mode=encoder_mode,
+                                     weight_parts=weight_parts,
                                      parent_pid=os.getpid(), num_threads=threads[r],
                                      data_kind=data_kind, key_name=key_name))
-            store = dist.FileStore(store_path(self.run_dir), size)
-            self._wait_joined(store)
+            self._store = store = dist.FileStore(store_path(self.run_dir), size)
+            self._wait_for(store, "joined", JOIN_TIMEOUT_S, "start")
             if data_kind:  # each rank published its endpoint before it joined
                 self.rank_addresses = [store.get(f"addr/{r}").decode() for r in range(1, size)]
             self.ctx = TPContext.connect(store, 0, size, rank_device(device, 0))
@@ -114,8 +119,9 @@ class TPGroup:
         except BaseException:
             self.close()
             raise
-        logger.info("tensor-parallel group of %d ranks (%s, vision tower: %s), rank pids %s",
-                    size, role, encoder_mode, [p.pid for p in self.procs])
+        logger.info("tensor-parallel group of %d ranks (%s, vision tower: %s, parts: %s), "
+                    "rank pids %s", size, role, encoder_mode, weight_parts,
+                    [p.pid for p in self.procs])
 
     # -- start ------------------------------------------------------------------------------
     def _spawn(self, spec: RankSpec) -> None:
@@ -128,16 +134,23 @@ class TPGroup:
         p.stdin.write(msgspec.json.encode(spec))
         p.stdin.close()
 
-    def _wait_joined(self, store: Any) -> None:
-        """Every rank wrote its key in the rendezvous file (so creating the backend will not
-        wait out its timeout for a rank that died while starting)."""
-        keys = [f"joined/{r}" for r in range(1, self.size)]
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+    def _wait_for(self, store: Any, key: str, timeout_s: float, what: str) -> None:
+        """Every rank wrote ``key/<rank>`` in the rendezvous file (polled, so a rank that
+        died on the way fails this at once instead of after the timeout)."""
+        keys = [f"{key}/{r}" for r in range(1, self.size)]
+        deadline = time.monotonic() + timeout_s
         while not store.check(keys):
             self._raise_if_dead()
             if time.monotonic() > deadline:
-                raise TPGroupError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT_S:.0f} s")
+                raise TPGroupError(f"tensor-parallel ranks did not {what} in {timeout_s:.0f} s")
             time.sleep(0.05)
+
+    def rank_weight_bytes(self) -> list[dict[str, int]]:
+        """Ranks 1..N-1's resident weight bytes per part, as each measured its own model
+        once loaded (``publish_weight_bytes``); waits for their loads."""
+        self._wait_for(self._store, "weights", LOAD_TIMEOUT_S, "load their weights")
+        return [msgspec.json.decode(self._store.get(f"weights/{r}"), type=dict[str, int])
+                for r in range(1, self.size)]
 
     def _raise_if_dead(self) -> None:
         for r, p in enumerate(self.procs, start=1):
@@ -234,11 +247,17 @@ class TPGroup:
         release(self._dir_lock)
 
 
+def publish_weight_bytes(store: Any, rank: int, held: dict[str, int]) -> None:
+    """Rank ``rank`` (> 0) tells rank 0 the weight bytes it holds (JSON in the store)."""
+    store.set(f"weights/{rank}", msgspec.json.encode(held))
+
+
 def start_group(config: Any, hf: Any, role: str, device: torch.device, data_kind: str = "",
-                key_name: str | None = None) -> TPGroup | None:
+                key_name: str | None = None, weight_parts: str = "all") -> TPGroup | None:
     """Rank 0's group for ``config.tensor_parallel_size`` > 1 (None for one process), after
-    checking that the model splits that many ways (ValueError naming the sizes).
-    ``data_kind``: give each rank a KV endpoint of that transport (pool workers)."""
+    checking that the model (the ``weight_parts`` every rank loads) splits that many ways
+    (ValueError naming the sizes). ``data_kind``: give each rank a KV endpoint of that
+    transport (pool workers)."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
@@ -249,6 +268,6 @@ def start_group(config: Any, hf: Any, role: str, device: torch.device, data_kind
 
     mode = resolve_encoder_mode(resolve_model_class(getattr(hf, "architectures", None)),
                                 config.mm_encoder_tp_mode, size)
-    check_tp_sizes(hf, size, mode)
+    check_tp_sizes(hf, size, mode, weight_parts)
     return TPGroup(dataclasses.asdict(config), size, role, mode, device, data_kind=data_kind,
-                   key_name=key_name)
+                   key_name=key_name, weight_parts=weight_parts)

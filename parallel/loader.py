@@ -5,10 +5,12 @@
     load_engine_core(config, ...)    an EngineCore on the engine role's (workers, LLMEngine)
 
     read the checkpoint's config once -> device, dtype, attention backend, ModelShape
+    the parts this worker runs (weight_parts_for): the tower, the language model or both
     tensor_parallel_size > 1: start ranks 1..N-1 (parallel/group.py), this process is rank 0
     load rank 0's weights -> EncoderRunner (TPEncoder in a group) -> ModelRunner (TPModelRunner)
 
-The other ranks load their part in ``parallel/rank.py``. The engine receives what is built
+The other ranks load their shard of the same parts in ``parallel/rank.py`` (the parts
+travel in their start-up message) and report the bytes they hold. The engine receives what is built
 here (``engine/loaded_model.py``), so ``engine/`` stands below ``parallel/``.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from triptych.engine.model_shape import (
     resolve_dtype,
     resolve_max_model_len,
 )
-from triptych.models.weight_parts import weight_bytes
+from triptych.models.weight_parts import parts_for_pool, weight_bytes
 from triptych.parallel.group import TPGroup, start_group
 from triptych.parallel.runner import TPEncoder, TPModelRunner
 
@@ -43,17 +45,9 @@ logger = logging.getLogger("triptych.loader")
 def weight_parts_for(config: EngineConfig, role: str, pool: str = "") -> str:
     """Which parts of the model a worker runs (models/weight_parts.py): an encode worker
     the tower; a prefill or decode worker of a layout with an encode pool the language
-    model (its images arrive encoded); everyone else (colocated, P+D, LLM) both.
-
-    NOTE: a tensor-parallel group loads both (its ranks build the model from the same
-    plan); the saving applies to one-process workers."""
-    if config.tensor_parallel_size > 1:
-        return "all"
-    if role == "encode":
-        return "vision"
-    if pool in ("prefill", "decode") and config.encode_workers > 0:
-        return "language"
-    return "all"
+    model (its images arrive encoded); everyone else (colocated, P+D, LLM) both. A
+    tensor-parallel group loads the same parts on every rank (each its shard of them)."""
+    return "vision" if role == "encode" else parts_for_pool(pool, config.encode_workers)
 
 
 def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
@@ -72,9 +66,9 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
     max_model_len = resolve_max_model_len(config, shape.max_position_embeddings)
     if role == "engine":
         check_batch_budget(config, max_model_len)
-    # tensor_parallel_size > 1: this process is rank 0 of a group it starts here
-    group = start_group(config, hf, role, device, data_kind, key_name)
     parts = weight_parts_for(config, role, pool)
+    # tensor_parallel_size > 1: this process is rank 0 of a group it starts here
+    group = start_group(config, hf, role, device, data_kind, key_name, parts)
     try:
         cpu_weights = resolve_cpu_weights(config, device)
         model, hf = load_model(config.model, dtype, str(device), backend,
@@ -82,8 +76,11 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
                                shard_vision=group is None or group.encoder_mode == "weights",
                                cpu_weights=cpu_weights, parts=parts)
         held = weight_bytes(model)
-        logger.info("%s%s weights: %s (vision %d bytes, language %d bytes)%s", role,
+        ranks = [held, *group.rank_weight_bytes()] if group is not None else [held]
+        logger.info("%s%s weights: %s (vision %d bytes, language %d bytes%s)%s", role,
                     f" ({pool})" if pool else "", parts, held["vision"], held["language"],
+                    "" if group is None else f"; ranks 0..{group.size - 1}: " + ", ".join(
+                        f"vision {r['vision']} language {r['language']}" for r in ranks),
                     f"; linear layers packed in {cpu_weights} (--dtype / --quantization)"
                     if cpu_weights else "")
         encode_fn = model.encode_images if group is None else \
@@ -91,7 +88,8 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
         encoder = EncoderRunner(encode_fn, EncoderCache(config.encoder_cache_size), device,
                                 dtype)
         loaded = LoadedModel(model, hf, shape, device, dtype, backend, max_model_len, encoder,
-                             group=group, weight_parts=parts, weight_bytes=held)
+                             group=group, weight_parts=parts, weight_bytes=held,
+                             rank_weight_bytes=ranks)
         if role == "engine":
             loaded.runner, loaded.num_blocks = _model_runner(config, loaded, group, backend)
     except BaseException:

@@ -1,8 +1,10 @@
 """A tensor-parallel rank r > 0: ``python -m triptych.parallel.rank``, RankSpec as JSON on stdin.
 
-Started by its group's rank 0 (parallel/group.py). It loads its shard of the model (and,
-for an engine group, its heads' slice of the KV cache), then runs the commands rank 0
-sends, joining the same collectives in the same order:
+Started by its group's rank 0 (parallel/group.py). It loads its shard of the parts of the
+model its pool runs (``RankSpec.weight_parts``: the tower, the language model or both,
+models/weight_parts.py), tells rank 0 the weight bytes it holds, (for an engine group)
+allocates its heads' slice of the KV cache, then runs the commands rank 0 sends, joining
+the same collectives in the same order:
 
     loop:  wait for a command (checking rank 0 is alive while idle)
            Forward -> ModelRunner.run_model on the step's arrays; logits slice to rank 0
@@ -52,9 +54,15 @@ def run_rank(spec: Any) -> None:
     from triptych.kernels import get_ops
     from triptych.models import load_model
     from triptych.models.tp_plan import local_kv_heads
+    from triptych.models.weight_parts import weight_bytes
     from triptych.parallel import wire as tp_wire
     from triptych.parallel.context import TPContext
-    from triptych.parallel.group import command_address, rank_device, store_path
+    from triptych.parallel.group import (
+        command_address,
+        publish_weight_bytes,
+        rank_device,
+        store_path,
+    )
     from triptych.parallel.loader import read_checkpoint
     from triptych.worker.threads import apply_thread_policy
 
@@ -72,7 +80,10 @@ def run_rank(spec: Any) -> None:
     _, dtype, backend, shape = read_checkpoint(config, device)  # as rank 0 read it
     model, _ = load_model(config.model, dtype, str(device), backend, tp=ctx,
                           shard_vision=spec.encoder_mode == "weights",
-                          cpu_weights=resolve_cpu_weights(config, device))
+                          cpu_weights=resolve_cpu_weights(config, device),
+                          parts=spec.weight_parts)
+    held = weight_bytes(model)  # measured in this process: what it holds, not the plan
+    publish_weight_bytes(store, spec.rank, held)
     runner = None
     if spec.role == "engine":
         blocks = ctx.min_int(num_kv_blocks(config, shape, dtype, device, spec.size))
@@ -85,8 +96,9 @@ def run_rank(spec: Any) -> None:
     sock = zctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(command_address(spec.run_dir, spec.rank))
-    logger.info("rank %d of %d ready (%s, vision tower: %s)", spec.rank, spec.size, spec.role,
-                spec.encoder_mode)
+    logger.info("rank %d of %d ready (%s, vision tower: %s; weights: %s, vision %d bytes, "
+                "language %d bytes)", spec.rank, spec.size, spec.role, spec.encoder_mode,
+                spec.weight_parts, held["vision"], held["language"])
     try:
         with torch.inference_mode():
             while True:

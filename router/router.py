@@ -219,8 +219,8 @@ class Router:
         heartbeat, ``busy_s`` how long its current step has run. ``stalled``: workers
         taken for frozen (being killed); ``slow_steps``: live workers inside one step for
         longer than the heartbeat timeout (shown, not killed: a big image can take that).
-        ``weights``: {"parts": all | vision | language, "bytes": {"vision", "language"}},
-        the weights its process holds, measured at load (from its hello; {} before it)."""
+        ``weights``: {"parts": all | vision | language, "bytes": {"vision", "language"}
+        of its process, "ranks": each rank's of a group}, measured at load (its hello)."""
         pools: dict[str, Any] = {}
         now = time.monotonic()
         for pool in self.layout.pools:
@@ -393,7 +393,8 @@ __all__ = ["MAX_MIGRATIONS", "EngineDeadError", "Router"]
 
 
 def _weights(info: dict[str, Any]) -> dict[str, Any]:
-    """A worker's loaded parts and weight bytes, as its hello said ({} before one came)."""
+    """A worker's parts and weight bytes from its hello ({} before one); "ranks": a group's."""
     if not info.get("weight_parts"):
         return {}
-    return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {})}
+    ranks = {"ranks": info["rank_weight_bytes"]} if info.get("rank_weight_bytes") else {}
+    return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {}), **ranks}

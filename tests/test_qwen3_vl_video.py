@@ -118,6 +118,40 @@ def test_prompt_and_pixels_are_hf_processors(llm):
     assert [it.grid_thw for it in big] == [(1, rh // 16, rw // 16)] * 2
 
 
+def test_the_per_frame_cap_is_hfs(tiny, llm, tmp_path):
+    """A checkpoint whose video_preprocessor_config.json sets cap_pixels_per_frame (and
+    max_video_tokens): each clip's grid is the one HF's Qwen3VLVideoProcessor computes for
+    it (its own get_num_of_video_patches, which runs without torchvision), and differs from
+    the uncapped one where the cap binds. The cap is part of the cache key."""
+    import json
+    import shutil
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from triptych.api.processor import InputProcessor
+
+    capped = str(tmp_path / "capped")
+    shutil.copytree(tiny, capped)
+    path = os.path.join(capped, "video_preprocessor_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    with open(path, "w") as f:  # 6 cells of 32x32 per frame at most
+        json.dump({**cfg, "cap_pixels_per_frame": True, "max_video_tokens": 6}, f)
+    proc = InputProcessor(capped)
+    hf = Qwen3VLVideoProcessor.from_pretrained(capped)
+    assert hf.cap_pixels_per_frame is True
+    binds = 0
+    for seed, (n, h, w) in enumerate([(4, 480, 640), (2, 200, 300), (16, 120, 160), (5, 64, 96)]):
+        conv = video_chat("x", frames(seed, n, h, w))
+        items = proc.process_chat(conv).mm_items
+        got = sum(t * gh * gw for t, gh, gw in (it.grid_thw for it in items))
+        assert got == hf.get_num_of_video_patches(n, h, w), (n, h, w)
+        uncapped = sum(t * gh * gw for t, gh, gw in
+                       (it.grid_thw for it in llm.processor.process_chat(conv).mm_items))
+        binds += got != uncapped
+    assert binds >= 2
+    assert proc.video_hash_kwargs != llm.processor.video_hash_kwargs
+
+
 @pytest.mark.parametrize("conv", [VIDEO, MIXED], ids=["video", "video+image"])
 def test_greedy_equals_hf(llm, oracle, conv):
     """Chunks of 16 cut the groups' spans; HF gets the clip as one grid (t, h, w)."""

@@ -68,7 +68,8 @@ class ModelWorker(Handler):
                           self.connector.address if self.connector else "",
                           self.core.encoder.cache.capacity_bytes, self._rank_addresses(),
                           weight_parts=self.core.loaded.weight_parts,
-                          weight_bytes=dict(self.core.loaded.weight_bytes or {}))
+                          weight_bytes=dict(self.core.loaded.weight_bytes or {}),
+                          rank_weight_bytes=self.core.loaded.group_weight_bytes())
 
     def _rank_addresses(self) -> list[str]:
         """A group's data addresses, rank by rank (rank to rank KV between groups)."""

@@ -125,6 +125,7 @@ class Hello(msgspec.Struct, tag="hello"):
     # on another host with another checkpoint is refused before it joins a pool
     weight_parts: str = ""  # all | vision | language: the submodules it loaded (/health)
     weight_bytes: dict[str, int] = {}  # its resident weight bytes per part, measured
+    rank_weight_bytes: list[dict[str, int]] = []  # a group's: each rank's, rank 0 first
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

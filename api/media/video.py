@@ -8,7 +8,9 @@ repeating the last frame; patches are laid out in HF's order
 
 Two budgets, as HF's two video processors define them: Qwen2-VL's bounds the pixels of one
 frame (``min_pixels`` / ``max_pixels``); Qwen3-VL's (``per_video=True``) bounds frames x
-height x width of the whole clip (``size.shortest_edge`` / ``size.longest_edge``).
+height x width of the whole clip (``size.shortest_edge`` / ``size.longest_edge``). A
+Qwen3-VL checkpoint whose video_preprocessor_config.json sets ``cap_pixels_per_frame``
+also caps each frame's share of that budget (``clip_budget``), as HF does then.
 
 Qwen3-VL lays a video out as one span per temporal group, each after its timestamp
 (``group_timestamps``; the processor splits the item with ``split_groups``).
@@ -23,8 +25,22 @@ from PIL import Image
 from triptych.engine.request import MMItem
 
 
+def clip_budget(num_frames: int, min_pixels: int, max_pixels: int, cell: int,
+                frame_cap_tokens: int | None) -> int:
+    """Qwen3-VL's pixel budget of a clip of ``num_frames`` sampled frames. With
+    ``cap_pixels_per_frame`` (``frame_cap_tokens`` = the config's ``max_video_tokens``)
+    each frame may spend at most that many merge cells (``cell`` x ``cell`` pixels) and
+    its even share of ``max_pixels``, but never less than 1.05 x ``min_pixels``; the clip's
+    budget is that times the frames. Without it, ``max_pixels`` for the whole clip."""
+    if not frame_cap_tokens:
+        return max_pixels
+    per_frame = min(frame_cap_tokens * cell * cell, max_pixels // num_frames)
+    return max(per_frame, int(min_pixels * 1.05)) * num_frames
+
+
 def preprocess_video(frames: np.ndarray, image_processor: Any, *, min_pixels: int,
-                     max_pixels: int, per_video: bool = False
+                     max_pixels: int, per_video: bool = False,
+                     frame_cap_tokens: int | None = None
                      ) -> tuple[np.ndarray, tuple[int, int, int]]:
     ps, m, tps = (image_processor.patch_size, image_processor.merge_size,
                   image_processor.temporal_patch_size)
@@ -32,8 +48,9 @@ def preprocess_video(frames: np.ndarray, image_processor: Any, *, min_pixels: in
     if per_video:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as sr3
 
+        budget = clip_budget(t, min_pixels, max_pixels, ps * m, frame_cap_tokens)
         rh, rw = sr3(t, h, w, temporal_factor=tps, factor=ps * m, min_pixels=min_pixels,
-                     max_pixels=max_pixels)
+                     max_pixels=budget)
     else:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
