@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -41,7 +42,9 @@ def add_parser(subparsers: Any) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir (default: the bench LM)")
     p.add_argument("--formats", default="fp32,bf16,fp16,int8",
-                   help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization)")
+                   help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization); "
+                        "a ':lib' suffix (e.g. fp32:lib) builds that engine with "
+                        "TRIPTYCH_CPU_GEMV=0 (library kernels only: an A/B of the GEMV)")
     p.add_argument("--batch", default="1,32", help="concurrent sequences, comma-separated")
     p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=128, help="greedy output tokens")
@@ -97,16 +100,31 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     vocab = getattr(hf, "text_config", hf).vocab_size
     rng = np.random.default_rng(args.seed)
-    llms = {f: LLM(model, max_num_seqs=max(batches + [args.quality]), cpu_threads=threads,
-                   enable_prefix_caching=False, disable_log_stats=True,
-                   kv_cache_memory=args.kv_cache_memory, **FORMATS[f]) for f in fmts}
+    llms = {}
+    for f in fmts:
+        base, _, lib = f.partition(":")
+        if base not in FORMATS or lib not in ("", "lib"):
+            raise SystemExit(f"unknown format {f!r}: use {', '.join(FORMATS)} (+ ':lib')")
+        # the GEMV switch is read when a layer (and, on the first logits, the head) is packed
+        saved = os.environ.get("TRIPTYCH_CPU_GEMV")
+        os.environ["TRIPTYCH_CPU_GEMV"] = "0" if lib else (saved or "1")
+        try:
+            llms[f] = LLM(model, max_num_seqs=max(batches + [args.quality]),
+                          cpu_threads=threads, enable_prefix_caching=False,
+                          disable_log_stats=True, kv_cache_memory=args.kv_cache_memory,
+                          **FORMATS[base])
+            # warm-up: packs the head, touches every kernel
+            llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
+                             use_tqdm=False)
+        finally:
+            if saved is None:
+                os.environ.pop("TRIPTYCH_CPU_GEMV", None)
+            else:
+                os.environ["TRIPTYCH_CPU_GEMV"] = saved
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     res: dict[str, Any] = {"model": model, "threads": threads, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "rounds": [], "machine": machine()}
-    for f in fmts:  # warm-up: packs the head, touches every kernel
-        llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
-                         use_tqdm=False)
     # the same prompts every round (no prefix caching: nothing carries over)
     prompts_of = {b: rng.integers(100, vocab, (b, args.prompt_len)).tolist() for b in batches}
     if args.dump_prompts:
@@ -156,7 +174,7 @@ def _report(res: dict[str, Any], hf: Any, fmts: list[str], batches: list[int],
             f"({med[f'{f}_b{b}_decode_tok_s']:.1f} decode, "
             f"{med[f'{f}_b{b}_cpu_ms_per_tok']:.1f} CPU ms/token)" for b in batches)
         if 1 in batches:
-            gb = step_bytes(hf, f, context) / 1e9
+            gb = step_bytes(hf, f.partition(":")[0], context) / 1e9
             bw = gb * med[f"{f}_b1_decode_tok_s"]
             med[f"{f}_b1_step_gb"], med[f"{f}_b1_gb_s"] = gb, bw
             line += (f"; batch-1 step reads {gb * 1e3:.0f} MB: {bw:.1f} GB/s = "

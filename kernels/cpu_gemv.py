@@ -2,10 +2,11 @@
 
 ``gemv(x, w, scale, bias, threads)``: y = x @ w^T (* scale per output row) (+ bias) for x
 [M, K] fp32 and a row-major w [N, K] in fp32, bf16, fp16 or int8 (``scale``: one fp32 per
-row, required for int8), fp32 accumulation and out. ``kernels/cpu_linear.CpuGemm`` sends
-its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here and keeps the libraries' packed
-GEMMs for more rows (measured per format: docs/performance.md, "Where the batch-1 step's
-time goes").
+row, required for int8), fp32 accumulation and out; on a VNNI CPU int8 quantizes each x
+row to 8 bits (one scale per row) and multiplies in int32. ``kernels/cpu_linear.CpuGemm``
+sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16: 2, int8: 1,
+fp16: none, fbgemm's is as fast) and keeps the libraries' packed GEMMs for more rows
+(measured per format: docs/performance.md, "Where the batch-1 step's time goes").
 
 Built on first use by ``cpu_build`` (once per machine, cached); ``available()`` says
 whether that worked here and logs why not. ``TRIPTYCH_CPU_GEMV=0`` turns it off (every

@@ -62,10 +62,11 @@ MIN_BYTES_PASSIVE = 8 << 20  # weight bytes one more thread must read to pay its
 # straggler on a shared host: docs/performance.md)
 MIN_BYTES_SPINNING = 1 << 20
 # Calls of at most this many rows go to the GEMV kernel (kernels/cpu_gemv.py) on a
-# row-major copy of the weight: at 1 row it took 0.6-0.8x the CPU time of oneDNN (fp32,
-# bf16) and 0.9-1.0x fbgemm's (fp16, int8); at 2 rows only fp32 / bf16 still won, at 4
-# none (docs/performance.md, "Where the batch-1 step's time goes").
-GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 1, "int8": 1}
+# row-major copy of the weight. End to end (bench LM, CPU time per token): fp32 b1 0.55x,
+# b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 b1 0.87x (VNNI); fp16 b1 1.05x, so fp16 stays
+# on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the libraries win
+# for every format (docs/performance.md, "Where the batch-1 step's time goes").
+GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 1}
 
 
 def available(fmt: str = "float32") -> bool:
@@ -165,8 +166,8 @@ class CpuGemm:
     def _gemv_copy(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> None:
         """The row-major weight the GEMV kernel reads (decode steps of 1-2 rows). fp32:
         ``w`` itself (the LM head: the tied embedding, no copy; a layer: its dense
-        weight stays alive beside the packed one); bf16 / fp16: a cast copy; int8: the
-        same per-row symmetric quantization as fbgemm's pack, with its scales."""
+        weight stays alive beside the packed one); bf16: a cast copy; int8: the same
+        per-row symmetric quantization as fbgemm's pack, with its scales; fp16: none."""
         self.gemv_max_rows = GEMV_MAX_ROWS[fmt] if cpu_gemv.enabled() else 0
         self.gemv_w: torch.Tensor | None = None
         self.gemv_scale: torch.Tensor | None = None
@@ -178,11 +179,15 @@ class CpuGemm:
             self.gemv_w = w.float().contiguous()
         elif fmt in ("bfloat16", "float16"):
             self.gemv_w = w.to(getattr(torch, fmt)).contiguous()
-        else:
-            wf = w.float()
-            scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-            self.gemv_w = torch.round(wf / scale[:, None]).clamp(-128, 127).to(torch.int8)
-            self.gemv_scale = scale.contiguous()
+        else:  # in slices of rows: no fp32 temporaries the size of a 152k-vocab head
+            n = w.shape[0]
+            self.gemv_w = torch.empty(w.shape, dtype=torch.int8)
+            self.gemv_scale = torch.empty(n, dtype=torch.float32)
+            for s in range(0, n, 8192):
+                wf = w[s:s + 8192].float()
+                scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+                self.gemv_w[s:s + 8192] = torch.round(wf / scale[:, None]).clamp(-128, 127)
+                self.gemv_scale[s:s + 8192] = scale
         if self.gemv_w.data_ptr() != w.data_ptr():
             self.gemv_bytes = self.gemv_w.numel() * self.gemv_w.element_size()
 

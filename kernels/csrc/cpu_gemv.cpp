@@ -7,12 +7,11 @@
 // Why: at M = 1 the step only has to stream W from memory once. oneDNN's fp32 and bf16
 // inner products spent ~1.4-1.7x the CPU time of this loop on the same bytes (the bench
 // LM's 311 MB head and each layer's GEMV, docs/performance.md "Where the batch-1 step's
-// time goes"); fbgemm's fp16 / int8 GEMVs are about even with it. Each W row is read once,
-// in order, into one AVX-512 accumulator per row (16 lanes; bf16 / fp16 / int8 widened to
-// fp32 in registers); x (a few KB) stays in L1 for every row. 2+ rows per step from 4
-// interleaved rows of a row-major W read slower here, so rows go one at a time; for M > 1
-// each W row is multiplied with every row of x while it is in L1 (the libraries win from
-// M = 2-4 on: cpu_linear.GEMV_MAX_ROWS).
+// time goes"). Each W row is read once, in order, into one AVX-512 accumulator (16 lanes;
+// bf16 / fp16 widened to fp32 in registers); x (a few KB) stays in L1 for every row. Two
+// or more rows per step from 4 interleaved rows of a row-major W read slower here, so
+// rows go one at a time; for M > 1 each W row meets every row of x while it is in L1 (the
+// libraries win from M = 2-4 on: cpu_linear.GEMV_MAX_ROWS). int8 on VNNI: below.
 //
 // Threads: output rows split over torch's intra-op threads (at::parallel_for); `grain`
 // rows per thread at least, so a call whose grain covers N runs inline on the caller
