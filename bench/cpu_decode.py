@@ -54,6 +54,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache of each engine")
     p.add_argument("--quality", type=int, default=0,
                    help="prompts for the quality comparison against fp32 (0: skip)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, split one generate call per format and batch: "
+                        "engine phases (bench/profile.py) and the top ops (torch.profiler)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     p.add_argument("--dump-prompts", default=None,
@@ -152,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     med = {k: statistics.median(rw[k] for rw in res["rounds"]) for k in res["rounds"][0]}
     res["median"] = med
     _report(res, hf, fmts, batches, args)
+    if args.profile:
+        res["profile"] = {f: {b: split(llms[f], prompts_of[b], sp, f"{f} batch {b}")
+                              for b in batches} for f in fmts}
     if args.quality:
         res["quality"] = quality(llms, fmts, args, vocab)
     for llm in llms.values():
@@ -180,6 +186,33 @@ def _report(res: dict[str, Any], hf: Any, fmts: list[str], batches: list[int],
             line += (f"; batch-1 step reads {gb * 1e3:.0f} MB: {bw:.1f} GB/s = "
                      f"{100 * bw / med['read_gb_s']:.0f}% of the measured read bandwidth")
         print(line)
+
+
+def split(llm: Any, prompts: list[list[int]], sp: Any, title: str, top: int = 10
+          ) -> dict[str, Any]:
+    """Where a decode step's time goes: mean ms per engine phase over one call's decode
+    steps, then the ops with the most self CPU time per step over a second call."""
+    from torch.profiler import ProfilerActivity, profile
+    from triptych.bench.profile import StepProfiler, format_summary
+
+    prof = StepProfiler(llm.engine)
+    try:
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        prof.close()
+    s = prof.summary("decode", len(prompts))
+    print(format_summary(f"{title}: decode", s))
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        llm.generate(prompts, sp, use_tqdm=False)
+    steps = sp.max_tokens + 1  # decode steps + the prefill
+    ops = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
+    rows = {e.key: {"self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                    "calls_per_step": e.count / steps} for e in ops[:top]}
+    print(f"    ops, self CPU ms per step (all ops: {total:.2f}):")
+    for name, r in rows.items():
+        print(f"      {name:<44s}{r['self_cpu_ms_per_step']:8.3f}{r['calls_per_step']:8.1f} calls")
+    return {"phases": s, "ops_ms_per_step": total, "top_ops": rows}
 
 
 def quality(llms: dict[str, Any], fmts: list[str], args: argparse.Namespace, vocab: int

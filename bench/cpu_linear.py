@@ -32,21 +32,29 @@ def shapes(h: int, inter: int, qkv: int) -> list[tuple[str, int, int, bool]]:
             ("down", inter, h, False)]
 
 
+def gemm(w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> CpuGemm:
+    g = CpuGemm(w, b, fmt)
+    if g.gemv_w is None and fmt == "float16" and cpu_gemv.enabled():
+        # the engine keeps fp16 on fbgemm (GEMV_MAX_ROWS); a copy here shows why
+        g.gemv_w, g.gemv_bias = w.half(), b
+    return g
+
+
 def build(fmt: str, gen: torch.Generator, args: argparse.Namespace
           ) -> dict[str, list[CpuGemm]]:
     out: dict[str, list[CpuGemm]] = {}
     for name, k, n, bias in shapes(args.hidden, args.intermediate, args.qkv):
-        out[name] = [CpuGemm(torch.randn(n, k, generator=gen) * 0.02,
-                             torch.randn(n, generator=gen) * 0.02 if bias else None, fmt)
+        out[name] = [gemm(torch.randn(n, k, generator=gen) * 0.02,
+                          torch.randn(n, generator=gen) * 0.02 if bias else None, fmt)
                      for _ in range(args.layers)]
-    out["lm_head"] = [CpuGemm(torch.randn(args.vocab, args.hidden, generator=gen) * 0.02,
-                              None, fmt)]
+    out["lm_head"] = [gemm(torch.randn(args.vocab, args.hidden, generator=gen) * 0.02,
+                           None, fmt)]
     return out
 
 
 def run_one(g: CpuGemm, x: torch.Tensor, kernel: str, threads: int) -> torch.Tensor:
     if kernel == "gemv":
-        return cpu_gemv.gemv(x, g.gemv_w, g.gemv_scale, g.gemv_bias, threads)
+        return cpu_gemv.gemv(x, g.gemv_w, g.gemv_scale, g.gemv_bias, threads, g.gemv_wsum)
     return g._run(x)
 
 

@@ -4,7 +4,7 @@
 [M, K] fp32 and a row-major w [N, K] in fp32, bf16, fp16 or int8 (``scale``: one fp32 per
 row, required for int8), fp32 accumulation and out; on a VNNI CPU int8 quantizes each x
 row to 8 bits (one scale per row) and multiplies in int32. ``kernels/cpu_linear.CpuGemm``
-sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16: 2, int8: 1,
+sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16 / int8: 2,
 fp16: none, fbgemm's is as fast) and keeps the libraries' packed GEMMs for more rows
 (measured per format: docs/performance.md, "Where the batch-1 step's time goes").
 
@@ -44,11 +44,18 @@ def enabled() -> bool:
     return _state[LIBRARY]
 
 
+def row_sums(w: torch.Tensor) -> torch.Tensor:
+    """[N] int32 sums of an int8 weight's rows (the VNNI path's offset correction)."""
+    return w.sum(dim=1, dtype=torch.int32).contiguous()
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-         bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    """[M, K] fp32 x [N, K] w -> [M, N] fp32 on up to ``threads`` threads (1: inline)."""
+         bias: torch.Tensor | None, threads: int, wsum: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """[M, K] fp32 x [N, K] w -> [M, N] fp32 on up to ``threads`` threads (1: inline).
+    int8 ``w`` needs ``scale`` and ``wsum`` (``row_sums(w)``, taken once)."""
     if w.dtype not in DTYPES:
         raise ValueError(f"gemv: weight dtype {w.dtype} is not one of {DTYPES}")
     n = w.shape[0]
     grain = max(1, -(-n // max(1, threads)))
-    return torch.ops.triptych_gemv.gemv(x, w, scale, bias, grain)
+    return torch.ops.triptych_gemv.gemv(x, w, scale, bias, wsum, grain)

@@ -63,10 +63,10 @@ MIN_BYTES_PASSIVE = 8 << 20  # weight bytes one more thread must read to pay its
 MIN_BYTES_SPINNING = 1 << 20
 # Calls of at most this many rows go to the GEMV kernel (kernels/cpu_gemv.py) on a
 # row-major copy of the weight. End to end (bench LM, CPU time per token): fp32 b1 0.55x,
-# b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 b1 0.87x (VNNI); fp16 b1 1.05x, so fp16 stays
-# on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the libraries win
-# for every format (docs/performance.md, "Where the batch-1 step's time goes").
-GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 1}
+# b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 (VNNI) b1 0.81x, b2 0.81x; fp16 b1 1.05x, so
+# fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
+# libraries won for bf16 / int8 (docs/performance.md, "Where the batch-1 step's time goes").
+GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
 
 
 def available(fmt: str = "float32") -> bool:
@@ -171,6 +171,7 @@ class CpuGemm:
         self.gemv_max_rows = GEMV_MAX_ROWS[fmt] if cpu_gemv.enabled() else 0
         self.gemv_w: torch.Tensor | None = None
         self.gemv_scale: torch.Tensor | None = None
+        self.gemv_wsum: torch.Tensor | None = None  # int8: row sums (cpu_gemv.row_sums)
         self.gemv_bias = b
         self.gemv_bytes = 0  # what the copy adds to the process (0 when it shares w)
         if not self.gemv_max_rows:
@@ -188,6 +189,7 @@ class CpuGemm:
                 scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
                 self.gemv_w[s:s + 8192] = torch.round(wf / scale[:, None]).clamp(-128, 127)
                 self.gemv_scale[s:s + 8192] = scale
+            self.gemv_wsum = cpu_gemv.row_sums(self.gemv_w)
         if self.gemv_w.data_ptr() != w.data_ptr():
             self.gemv_bytes = self.gemv_w.numel() * self.gemv_w.element_size()
 
@@ -205,7 +207,7 @@ class CpuGemm:
         if 0 < rows <= self.gemv_max_rows:
             x2 = x.reshape(rows, self.in_features).contiguous()
             y = cpu_gemv.gemv(x2 if x2.dtype == torch.float32 else x2.float(), self.gemv_w,
-                              self.gemv_scale, self.gemv_bias, want)
+                              self.gemv_scale, self.gemv_bias, want, self.gemv_wsum)
             return y.view(*x.shape[:-1], self.out_features)
         if want == most:
             return self._run(x)

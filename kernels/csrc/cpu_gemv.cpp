@@ -110,10 +110,18 @@ void gemv_kernel(const float* x, const T* w, const float* scale, const float* bi
 // stored offset by 128 as u8), then vpdpbusd multiplies 64 u8 x s8 pairs into int32 sums
 // per instruction (the fp32 widening above costs 3 instructions per 16 weights, which kept
 // the int8 head at ~16 GB/s per core, below the memory's rate). The offset comes back out
-// with the row's weight sum, taken by the same instruction against a vector of ones:
+// with the row's weight sum (``wsum``, taken once at load):
 //   sum_k w_k * (q_k + 128) - 128 * sum_k w_k = sum_k w_k * q_k
-void gemv_s8_kernel(const float* x, const int8_t* w, const float* scale, const float* bias,
-                    float* y, int64_t M, int64_t N, int64_t K, int64_t grain) {
+// At K = 512 a row is 8 instructions, so the horizontal sums matter: 4 rows' accumulators
+// are folded to 128 bits each and summed together by two rounds of hadd.
+inline __m128i fold(__m512i v) {
+  const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+void gemv_s8_kernel(const float* x, const int8_t* w, const float* scale, const int32_t* wsum,
+                    const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                    int64_t grain) {
   const int64_t Kp = (K + 63) / 64 * 64;
   std::vector<uint8_t> xq(M * Kp, 128);  // the tail (masked off in w) stays at zero
   std::vector<float> xs(M);
@@ -128,23 +136,32 @@ void gemv_s8_kernel(const float* x, const int8_t* w, const float* scale, const f
       xq[m * Kp + k] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
     }
   }
-  const __m512i ones = _mm512_set1_epi8(1);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* wn = w + n * K;
+    for (int64_t n = begin; n < end; n += 4) {
+      const int64_t nr = end - n < 4 ? end - n : 4;
       for (int64_t m = 0; m < M; ++m) {
         const uint8_t* q = xq.data() + m * Kp;
-        __m512i acc = _mm512_setzero_si512();
-        __m512i wsum = _mm512_setzero_si512();
-        for (int64_t k = 0; k < K; k += 64) {
-          const __mmask64 mask = K - k >= 64 ? ~0ULL : (1ULL << (K - k)) - 1;
-          const __m512i wv = _mm512_maskz_loadu_epi8(mask, wn + k);
-          acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(q + k), wv);
-          wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+        __m128i part[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(),
+                           _mm_setzero_si128()};
+        for (int64_t r = 0; r < nr; ++r) {  // one row at a time: one stream through W
+          const int8_t* wn = w + (n + r) * K;
+          __m512i acc = _mm512_setzero_si512();
+          for (int64_t k = 0; k < K; k += 64) {
+            const __mmask64 mask = K - k >= 64 ? ~0ULL : (1ULL << (K - k)) - 1;
+            acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(q + k),
+                                      _mm512_maskz_loadu_epi8(mask, wn + k));
+          }
+          part[r] = fold(acc);
         }
-        const int32_t dot = _mm512_reduce_add_epi32(acc) - 128 * _mm512_reduce_add_epi32(wsum);
-        float v = static_cast<float>(dot) * xs[m] * scale[n];
-        y[m * N + n] = bias ? v + bias[n] : v;
+        alignas(16) int32_t dots[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(dots),
+                        _mm_hadd_epi32(_mm_hadd_epi32(part[0], part[1]),
+                                       _mm_hadd_epi32(part[2], part[3])));
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t o = n + r;
+          const float v = static_cast<float>(dots[r] - 128 * wsum[o]) * xs[m] * scale[o];
+          y[m * N + o] = bias ? v + bias[o] : v;
+        }
       }
     }
   });
@@ -153,7 +170,8 @@ void gemv_s8_kernel(const float* x, const int8_t* w, const float* scale, const f
 #endif
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
-                const c10::optional<at::Tensor>& bias, int64_t grain) {
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& wsum,
+                int64_t grain) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "gemv: x must be a contiguous [M, K] float32 tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
@@ -188,7 +206,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
     case at::kChar:
       TORCH_CHECK(sp != nullptr, "gemv: int8 weights need their per-row scale");
 #ifdef TRIPTYCH_GEMV_VNNI
-      gemv_s8_kernel(xp, w.data_ptr<int8_t>(), sp, bp, yp, M, N, K, grain);
+      TORCH_CHECK(wsum.has_value() && wsum->scalar_type() == at::kInt && wsum->is_contiguous()
+                      && wsum->numel() == N, "gemv: int8 weights need their [N] int32 row sums");
+      gemv_s8_kernel(xp, w.data_ptr<int8_t>(), sp, wsum->data_ptr<int32_t>(), bp, yp, M, N, K,
+                     grain);
 #else
       gemv_kernel(xp, w.data_ptr<int8_t>(), sp, bp, yp, M, N, K, grain);
 #endif
@@ -203,7 +224,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }  // namespace
 
 TORCH_LIBRARY(triptych_gemv, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int grain) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor? wsum, int grain) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triptych_gemv, CPU, m) { m.impl("gemv", &gemv); }
