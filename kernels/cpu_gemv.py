@@ -18,7 +18,6 @@ import logging
 import os
 
 import torch
-
 from triptych.kernels import cpu_build
 
 logger = logging.getLogger("triptych.cpu_gemv")

@@ -48,7 +48,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from triptych.kernels import cpu_gemv
 
 logger = logging.getLogger("triptych.cpu_linear")
