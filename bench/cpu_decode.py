@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -41,7 +42,9 @@ def add_parser(subparsers: Any) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir (default: the bench LM)")
     p.add_argument("--formats", default="fp32,bf16,fp16,int8",
-                   help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization)")
+                   help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization); "
+                        "a ':lib' suffix (e.g. fp32:lib) builds that engine with "
+                        "TRIPTYCH_CPU_GEMV=0 (library kernels only: an A/B of the GEMV)")
     p.add_argument("--batch", default="1,32", help="concurrent sequences, comma-separated")
     p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=128, help="greedy output tokens")
@@ -51,6 +54,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache of each engine")
     p.add_argument("--quality", type=int, default=0,
                    help="prompts for the quality comparison against fp32 (0: skip)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, split one generate call per format and batch: "
+                        "engine phases (bench/profile.py) and the top ops (torch.profiler)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     p.add_argument("--dump-prompts", default=None,
@@ -97,16 +103,31 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     vocab = getattr(hf, "text_config", hf).vocab_size
     rng = np.random.default_rng(args.seed)
-    llms = {f: LLM(model, max_num_seqs=max(batches + [args.quality]), cpu_threads=threads,
-                   enable_prefix_caching=False, disable_log_stats=True,
-                   kv_cache_memory=args.kv_cache_memory, **FORMATS[f]) for f in fmts}
+    llms = {}
+    for f in fmts:
+        base, _, lib = f.partition(":")
+        if base not in FORMATS or lib not in ("", "lib"):
+            raise SystemExit(f"unknown format {f!r}: use {', '.join(FORMATS)} (+ ':lib')")
+        # the GEMV switch is read when a layer (and, on the first logits, the head) is packed
+        saved = os.environ.get("TRIPTYCH_CPU_GEMV")
+        os.environ["TRIPTYCH_CPU_GEMV"] = "0" if lib else (saved or "1")
+        try:
+            llms[f] = LLM(model, max_num_seqs=max(batches + [args.quality]),
+                          cpu_threads=threads, enable_prefix_caching=False,
+                          disable_log_stats=True, kv_cache_memory=args.kv_cache_memory,
+                          **FORMATS[base])
+            # warm-up: packs the head, touches every kernel
+            llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
+                             use_tqdm=False)
+        finally:
+            if saved is None:
+                os.environ.pop("TRIPTYCH_CPU_GEMV", None)
+            else:
+                os.environ["TRIPTYCH_CPU_GEMV"] = saved
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     res: dict[str, Any] = {"model": model, "threads": threads, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "rounds": [], "machine": machine()}
-    for f in fmts:  # warm-up: packs the head, touches every kernel
-        llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
-                         use_tqdm=False)
     # the same prompts every round (no prefix caching: nothing carries over)
     prompts_of = {b: rng.integers(100, vocab, (b, args.prompt_len)).tolist() for b in batches}
     if args.dump_prompts:
@@ -134,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     med = {k: statistics.median(rw[k] for rw in res["rounds"]) for k in res["rounds"][0]}
     res["median"] = med
     _report(res, hf, fmts, batches, args)
+    if args.profile:
+        res["profile"] = {f: {b: split(llms[f], prompts_of[b], sp, f"{f} batch {b}")
+                              for b in batches} for f in fmts}
     if args.quality:
         res["quality"] = quality(llms, fmts, args, vocab)
     for llm in llms.values():
@@ -156,12 +180,39 @@ def _report(res: dict[str, Any], hf: Any, fmts: list[str], batches: list[int],
             f"({med[f'{f}_b{b}_decode_tok_s']:.1f} decode, "
             f"{med[f'{f}_b{b}_cpu_ms_per_tok']:.1f} CPU ms/token)" for b in batches)
         if 1 in batches:
-            gb = step_bytes(hf, f, context) / 1e9
+            gb = step_bytes(hf, f.partition(":")[0], context) / 1e9
             bw = gb * med[f"{f}_b1_decode_tok_s"]
             med[f"{f}_b1_step_gb"], med[f"{f}_b1_gb_s"] = gb, bw
             line += (f"; batch-1 step reads {gb * 1e3:.0f} MB: {bw:.1f} GB/s = "
                      f"{100 * bw / med['read_gb_s']:.0f}% of the measured read bandwidth")
         print(line)
+
+
+def split(llm: Any, prompts: list[list[int]], sp: Any, title: str, top: int = 10
+          ) -> dict[str, Any]:
+    """Where a decode step's time goes: mean ms per engine phase over one call's decode
+    steps, then the ops with the most self CPU time per step over a second call."""
+    from torch.profiler import ProfilerActivity, profile
+    from triptych.bench.profile import StepProfiler, format_summary
+
+    prof = StepProfiler(llm.engine)
+    try:
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        prof.close()
+    s = prof.summary("decode", len(prompts))
+    print(format_summary(f"{title}: decode", s))
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        llm.generate(prompts, sp, use_tqdm=False)
+    steps = sp.max_tokens + 1  # decode steps + the prefill
+    ops = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
+    rows = {e.key: {"self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                    "calls_per_step": e.count / steps} for e in ops[:top]}
+    print(f"    ops, self CPU ms per step (all ops: {total:.2f}):")
+    for name, r in rows.items():
+        print(f"      {name:<44s}{r['self_cpu_ms_per_step']:8.3f}{r['calls_per_step']:8.1f} calls")
+    return {"phases": s, "ops_ms_per_step": total, "top_ops": rows}
 
 
 def quality(llms: dict[str, Any], fmts: list[str], args: argparse.Namespace, vocab: int

@@ -109,7 +109,7 @@ def build(name: str) -> Path:
             return path
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         cmd[-1] = str(tmp)
-        logger.info("compiling the CPU attention kernel %s once for this machine (%s); "
+        logger.info("compiling the CPU kernel %s once for this machine (%s); "
                     "later starts load it from the cache", name, path)
         t0 = time.perf_counter()
         try:

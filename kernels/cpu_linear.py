@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triptych.kernels import cpu_gemv
 
 logger = logging.getLogger("triptych.cpu_linear")
 
@@ -59,6 +60,12 @@ MIN_FLOPS_SPINNING = 2e6
 MIN_BYTES_PASSIVE = 8 << 20  # weight bytes one more thread must read to pay its wake-up (and a
 # straggler on a shared host: docs/performance.md)
 MIN_BYTES_SPINNING = 1 << 20
+# Calls of at most this many rows go to the GEMV kernel (kernels/cpu_gemv.py) on a
+# row-major copy of the weight. End to end (bench LM, CPU time per token): fp32 b1 0.55x,
+# b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 (VNNI) b1 0.81x, b2 0.81x; fp16 b1 1.05x, so
+# fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
+# libraries won for bf16 / int8 (docs/performance.md, "Where the batch-1 step's time goes").
+GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
 
 
 def available(fmt: str = "float32") -> bool:
@@ -147,12 +154,43 @@ class CpuGemm:
             self.packed = _int8_pack(w, b)
             # Without VNNI, fbgemm's u8 x s8 pair sums saturate int16: 7-bit activations.
             self.reduce_range = not _has_vnni()
+        self._gemv_copy(w, b, fmt)
         self.weight_bytes = self.out_features * self.in_features * BYTES[fmt]
         # the bias rides with the packed weight (fp32 inside fbgemm's prepack)
         self.bias_bytes = 0 if b is None else b.numel() * (
             self.bias.element_size() if self.bias is not None else 4)
         self.min_flops = min_flops_per_thread() if min_flops is None else min_flops
         self.min_bytes = min_bytes_per_thread() if min_bytes is None else min_bytes
+
+    def _gemv_copy(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> None:
+        """The row-major weight the GEMV kernel reads (decode steps of 1-2 rows). fp32:
+        ``w`` itself (the LM head: the tied embedding, no copy; a layer: its dense
+        weight stays alive beside the packed one); bf16: a cast copy; int8: the same
+        per-row symmetric quantization as fbgemm's pack, with its scales; fp16: none."""
+        self.gemv_max_rows = GEMV_MAX_ROWS[fmt] if cpu_gemv.enabled() else 0
+        self.gemv_w: torch.Tensor | None = None
+        self.gemv_scale: torch.Tensor | None = None
+        self.gemv_wsum: torch.Tensor | None = None  # int8: row sums (cpu_gemv.row_sums)
+        self.gemv_bias = b
+        self.gemv_bytes = 0  # what the copy adds to the process (0 when it shares w)
+        if not self.gemv_max_rows:
+            return
+        if fmt == "float32":
+            self.gemv_w = w.float().contiguous()
+        elif fmt in ("bfloat16", "float16"):
+            self.gemv_w = w.to(getattr(torch, fmt)).contiguous()
+        else:  # in slices of rows: no fp32 temporaries the size of a 152k-vocab head
+            n = w.shape[0]
+            self.gemv_w = torch.empty(w.shape, dtype=torch.int8)
+            self.gemv_scale = torch.empty(n, dtype=torch.float32)
+            for s in range(0, n, 8192):
+                wf = w[s:s + 8192].float()
+                scale = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+                self.gemv_w[s:s + 8192] = torch.round(wf / scale[:, None]).clamp(-128, 127)
+                self.gemv_scale[s:s + 8192] = scale
+            self.gemv_wsum = cpu_gemv.row_sums(self.gemv_w)
+        if self.gemv_w.data_ptr() != w.data_ptr():
+            self.gemv_bytes = self.gemv_w.numel() * self.gemv_w.element_size()
 
     def threads(self, rows: int, most: int) -> int:
         """Threads for a GEMM of ``rows`` rows: one per ``min_flops`` of work or per
@@ -163,7 +201,13 @@ class CpuGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         most = torch.get_num_threads()
-        want = self.threads(x.numel() // max(1, self.in_features), most)
+        rows = x.numel() // max(1, self.in_features)
+        want = self.threads(rows, most)
+        if 0 < rows <= self.gemv_max_rows:
+            x2 = x.reshape(rows, self.in_features).contiguous()
+            y = cpu_gemv.gemv(x2 if x2.dtype == torch.float32 else x2.float(), self.gemv_w,
+                              self.gemv_scale, self.gemv_bias, want, self.gemv_wsum)
+            return y.view(*x.shape[:-1], self.out_features)
         if want == most:
             return self._run(x)
         torch.set_num_threads(want)

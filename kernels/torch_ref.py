@@ -238,8 +238,11 @@ def mrope_plan(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     rope(x) = x * cos + roll(x, D/2) * sin  (roll swaps the halves: [x2 | x1]).
     """
     d2 = cos_sin_cache.shape[-1] // 2
-    sec = torch.repeat_interleave(torch.arange(3, device=positions.device),
-                                  torch.tensor(mrope_section, device=positions.device))  # [D/2]
+    # NOTE: a Python list, not torch.repeat_interleave: torch's CPU kernel opens a parallel
+    # region even for 3 repeats, and waiting for the woken thread cost 0.06-10 ms per
+    # batch-1 step on the busy 2-core dev box (torch.profiler, three runs)
+    sec = torch.tensor([s for s, n in enumerate(mrope_section) for _ in range(n)],
+                       device=positions.device)  # [D/2]
     # position of every (token, frequency): [T, D/2], then one gather of cos|sin rows
     pos = positions.gather(0, sec[:, None].expand(-1, positions.shape[1])).t()
     freq = torch.arange(d2, device=positions.device)

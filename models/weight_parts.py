@@ -56,5 +56,6 @@ def weight_bytes(model: Any) -> dict[str, int]:
     for name, m in model.named_modules():
         gemm = getattr(m, "cpu_gemm", None)
         if gemm is not None:
-            out[part_of(name + ".")] += gemm.weight_bytes + gemm.bias_bytes
+            # + the row-major copy batch-1 steps read (kernels/cpu_gemv.py), if one was made
+            out[part_of(name + ".")] += gemm.weight_bytes + gemm.bias_bytes + gemm.gemv_bytes
     return out

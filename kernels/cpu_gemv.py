@@ -1,0 +1,60 @@
+"""Skinny CPU GEMM for decode steps of 1-2 rows (C++, ``csrc/cpu_gemv.cpp``).
+
+``gemv(x, w, scale, bias, threads)``: y = x @ w^T (* scale per output row) (+ bias) for x
+[M, K] fp32 and a row-major w [N, K] in fp32, bf16, fp16 or int8 (``scale``: one fp32 per
+row, required for int8), fp32 accumulation and out; on a VNNI CPU int8 quantizes each x
+row to 8 bits (one scale per row) and multiplies in int32. ``kernels/cpu_linear.CpuGemm``
+sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16 / int8: 2,
+fp16: none, fbgemm's is as fast) and keeps the libraries' packed GEMMs for more rows
+(measured per format: docs/performance.md, "Where the batch-1 step's time goes").
+
+Built on first use by ``cpu_build`` (once per machine, cached); ``available()`` says
+whether that worked here and logs why not. ``TRIPTYCH_CPU_GEMV=0`` turns it off (every
+call goes to the libraries: an A/B switch for benchmarks, read when a layer is packed).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from triptych.kernels import cpu_build
+
+logger = logging.getLogger("triptych.cpu_gemv")
+
+LIBRARY = "cpu_gemv"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+
+_state: dict[str, bool] = {}
+
+
+def enabled() -> bool:
+    """``TRIPTYCH_CPU_GEMV`` is not 0 and the kernel is built and loaded here."""
+    if os.environ.get("TRIPTYCH_CPU_GEMV", "1") == "0":
+        return False
+    if LIBRARY not in _state:
+        try:
+            cpu_build.load_library(LIBRARY)
+            _state[LIBRARY] = True
+        except cpu_build.BuildError as e:
+            logger.warning("the CPU GEMV kernel is unavailable: batch-1 decode GEMMs use the "
+                           "slower library kernels (install g++ to get it): %s", e)
+            _state[LIBRARY] = False
+    return _state[LIBRARY]
+
+
+def row_sums(w: torch.Tensor) -> torch.Tensor:
+    """[N] int32 sums of an int8 weight's rows (the VNNI path's offset correction)."""
+    return w.sum(dim=1, dtype=torch.int32).contiguous()
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+         bias: torch.Tensor | None, threads: int, wsum: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """[M, K] fp32 x [N, K] w -> [M, N] fp32 on up to ``threads`` threads (1: inline).
+    int8 ``w`` needs ``scale`` and ``wsum`` (``row_sums(w)``, taken once)."""
+    if w.dtype not in DTYPES:
+        raise ValueError(f"gemv: weight dtype {w.dtype} is not one of {DTYPES}")
+    n = w.shape[0]
+    grain = max(1, -(-n // max(1, threads)))
+    return torch.ops.triptych_gemv.gemv(x, w, scale, bias, wsum, grain)
