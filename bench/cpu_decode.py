@@ -35,8 +35,9 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp16": {"dtype": "float16"}, "int8": {"quantization": "int8"}}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 # format suffix -> the kernel switches (env, read at packing) it turns off, for A/B runs
-SWITCHES = ("TRIPTYCH_CPU_GEMV", "TRIPTYCH_CPU_PANEL_GEMM")
-SUFFIXES = {"": (), "lib": SWITCHES, "nopanel": ("TRIPTYCH_CPU_PANEL_GEMM",)}
+SWITCHES = ("TRIPTYCH_CPU_GEMV", "TRIPTYCH_CPU_PANEL_GEMM", "TRIPTYCH_CPU_FUSED_OPS")
+SUFFIXES = {"": (), "lib": SWITCHES, "nopanel": ("TRIPTYCH_CPU_PANEL_GEMM",),
+            "nofused": ("TRIPTYCH_CPU_FUSED_OPS",)}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -47,9 +48,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--formats", default="fp32,bf16,fp16,int8",
                    help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization); "
                         "a ':lib' suffix (e.g. fp32:lib) builds that engine with "
-                        "TRIPTYCH_CPU_GEMV=0 and TRIPTYCH_CPU_PANEL_GEMM=0 (library "
-                        "kernels only), ':nopanel' with TRIPTYCH_CPU_PANEL_GEMM=0 (an A/B "
-                        "of the batched panel GEMM)")
+                        "TRIPTYCH_CPU_GEMV=0, TRIPTYCH_CPU_PANEL_GEMM=0 and "
+                        "TRIPTYCH_CPU_FUSED_OPS=0 (library kernels and torch ops only), "
+                        "':nopanel' / ':nofused' with only the panel GEMM / the fused "
+                        "layer ops off (A/B runs)")
     p.add_argument("--batch", default="1,32", help="concurrent sequences, comma-separated")
     p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=128, help="greedy output tokens")
