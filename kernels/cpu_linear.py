@@ -15,7 +15,10 @@ the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
                           (symmetric), x quantized per call to uint8 (per tensor), int32
                           accumulation, fp32 out
 
-No fp32 copy of a 16- or 8-bit weight is ever made. The LM head packs its own copy
+fp32 on an AVX-512 CPU runs our panel GEMM (``kernels/cpu_panel_gemm.py``) instead of
+oneDNN for calls above the GEMV's rows (its panels replace oneDNN's packed copy;
+``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps oneDNN). No fp32 copy of a 16- or 8-bit weight is
+ever made. The LM head packs its own copy
 (``CpuGemm`` in ``compute_logits``); the embedding keeps its fp32 rows for lookups.
 
 Why (docs/performance.md, 2-core AMD EPYC, torch 2.13 CPU wheel):
