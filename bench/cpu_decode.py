@@ -34,6 +34,10 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
     "fp16": {"dtype": "float16"}, "int8": {"quantization": "int8"}}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+# format suffix -> the kernel switches (env, read at packing) it turns off, for A/B runs
+SWITCHES = ("TRIPTYCH_CPU_GEMV", "TRIPTYCH_CPU_PANEL_GEMM", "TRIPTYCH_CPU_FUSED_OPS")
+SUFFIXES = {"": (), "lib": SWITCHES, "nopanel": ("TRIPTYCH_CPU_PANEL_GEMM",),
+            "nofused": ("TRIPTYCH_CPU_FUSED_OPS",)}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,7 +48,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--formats", default="fp32,bf16,fp16,int8",
                    help="weight formats: fp32 | bf16 | fp16 (--dtype) | int8 (--quantization); "
                         "a ':lib' suffix (e.g. fp32:lib) builds that engine with "
-                        "TRIPTYCH_CPU_GEMV=0 (library kernels only: an A/B of the GEMV)")
+                        "TRIPTYCH_CPU_GEMV=0, TRIPTYCH_CPU_PANEL_GEMM=0 and "
+                        "TRIPTYCH_CPU_FUSED_OPS=0 (library kernels and torch ops only), "
+                        "':nopanel' / ':nofused' with only the panel GEMM / the fused "
+                        "layer ops off (A/B runs)")
     p.add_argument("--batch", default="1,32", help="concurrent sequences, comma-separated")
     p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=128, help="greedy output tokens")
@@ -106,11 +113,13 @@ def run(args: argparse.Namespace) -> int:
     llms = {}
     for f in fmts:
         base, _, lib = f.partition(":")
-        if base not in FORMATS or lib not in ("", "lib"):
-            raise SystemExit(f"unknown format {f!r}: use {', '.join(FORMATS)} (+ ':lib')")
-        # the GEMV switch is read when a layer (and, on the first logits, the head) is packed
-        saved = os.environ.get("TRIPTYCH_CPU_GEMV")
-        os.environ["TRIPTYCH_CPU_GEMV"] = "0" if lib else (saved or "1")
+        if base not in FORMATS or lib not in SUFFIXES:
+            raise SystemExit(f"unknown format {f!r}: use {', '.join(FORMATS)} "
+                             f"(+ {', '.join(':' + k for k in SUFFIXES if k)})")
+        # the switches are read when a layer (and, on the first logits, the head) is packed
+        saved = {k: os.environ.get(k) for k in SWITCHES}
+        for k in SWITCHES:
+            os.environ[k] = "0" if k in SUFFIXES[lib] else (saved[k] or "1")
         try:
             llms[f] = LLM(model, max_num_seqs=max(batches + [args.quality]),
                           cpu_threads=threads, enable_prefix_caching=False,
@@ -120,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
             llms[f].generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2),
                              use_tqdm=False)
         finally:
-            if saved is None:
-                os.environ.pop("TRIPTYCH_CPU_GEMV", None)
-            else:
-                os.environ["TRIPTYCH_CPU_GEMV"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     res: dict[str, Any] = {"model": model, "threads": threads, "prompt_len": args.prompt_len,

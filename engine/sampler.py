@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from triptych.engine.penalties import PenaltyState
+from triptych.kernels import cpu_panel_gemm
 from triptych.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class Sampler:
         biased = self._apply_bias(logits, params)
         if penalties:  # (empty: no penalised request in the batch, nothing to do)
             biased = penalties.apply(biased, request_ids)
-        out = biased.argmax(dim=-1)
+        out = self._argmax(biased)
         rand = [i for i, sp in enumerate(params) if not sp.greedy]
         if rand:
             scaled = self._temperature_min_p(biased[rand], [params[i] for i in rand])
@@ -67,6 +68,15 @@ class Sampler:
                 d[token_ids[i]] = float(lp[row, token_ids[i]])
                 logprobs[i] = d
         return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax over the vocab; on the CPU the C++ one (one pass, one thread per
+        64 MiB of logits: docs/performance.md, "Batch 32"), same result."""
+        if logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous() \
+                and logits.numel() and cpu_panel_gemm.loaded():
+            return cpu_panel_gemm.argmax(logits)
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -15,7 +15,10 @@ the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
                           (symmetric), x quantized per call to uint8 (per tensor), int32
                           accumulation, fp32 out
 
-No fp32 copy of a 16- or 8-bit weight is ever made. The LM head packs its own copy
+fp32 on an AVX-512 CPU runs our panel GEMM (``kernels/cpu_panel_gemm.py``) instead of
+oneDNN for calls above the GEMV's rows (its panels replace oneDNN's packed copy;
+``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps oneDNN). No fp32 copy of a 16- or 8-bit weight is
+ever made. The LM head packs its own copy
 (``CpuGemm`` in ``compute_logits``); the embedding keeps its fp32 rows for lookups.
 
 Why (docs/performance.md, 2-core AMD EPYC, torch 2.13 CPU wheel):
@@ -48,7 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.kernels import cpu_gemv
+from triptych.kernels import cpu_gemv, cpu_panel_gemm
 
 logger = logging.getLogger("triptych.cpu_linear")
 
@@ -66,6 +69,8 @@ MIN_BYTES_SPINNING = 1 << 20
 # fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
 # libraries won for bf16 / int8 (docs/performance.md, "Where the batch-1 step's time goes").
 GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
+# Formats whose calls above the GEMV's rows go to the panel GEMM (kernels/cpu_panel_gemm.py)
+PANEL_FORMATS = ("float32",)
 
 
 def available(fmt: str = "float32") -> bool:
@@ -142,7 +147,15 @@ class CpuGemm:
         w = weight.detach().contiguous()
         b = None if bias is None else bias.detach().float().contiguous()
         self.bias: torch.Tensor | None = None
-        if fmt == "float32":
+        # fp32 on AVX-512: our panel GEMM replaces oneDNN's packed weight (same bytes;
+        # kernels/cpu_panel_gemm.py). bf16 stays on oneDNN: its AVX512-BF16 GEMM ran as fast
+        # at batch 32 and faster on prefills (docs/performance.md, "Batch 32")
+        self.panels: torch.Tensor | None = None
+        self.panel_bias = b
+        if fmt in PANEL_FORMATS and cpu_panel_gemm.supported(fmt):
+            self.panels = cpu_panel_gemm.pack(w.to(getattr(torch, fmt)))
+            self.packed = None
+        elif fmt == "float32":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_HINT_ROWS)
             self.bias = b
         elif fmt == "bfloat16":
@@ -220,6 +233,10 @@ class CpuGemm:
         # x: [..., K] fp32 -> [..., N] fp32
         if not x.is_contiguous():
             x = x.contiguous()
+        if self.panels is not None:
+            y = cpu_panel_gemm.gemm(x.reshape(-1, self.in_features).float(), self.panels,
+                                    self.out_features, self.panel_bias, torch.get_num_threads())
+            return y.view(*x.shape[:-1], self.out_features)
         if self.fmt == "float32":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.fmt == "bfloat16":

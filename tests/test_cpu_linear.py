@@ -49,8 +49,9 @@ def test_each_weight_format_against_the_fp32_reference(fmt):
         b = torch.randn(n, generator=g) if bias else None
         gemm = CpuGemm(w, b, fmt)
         assert gemm.weight_bytes == n * k * {"float32": 4, "int8": 1}.get(fmt, 2)
-        if fmt in ("float32", "bfloat16"):  # oneDNN's packed tensor holds the narrow dtype
-            assert gemm.packed.dtype == getattr(torch, fmt)
+        if fmt in ("float32", "bfloat16"):  # the panels / oneDNN's packed tensor: narrow
+            assert (gemm.packed if gemm.panels is None else gemm.panels).dtype == \
+                getattr(torch, fmt)
         for shape in [(1, k), (7, k), (33, k), (2, 3, k)]:
             x = torch.randn(*shape, generator=g)
             ref = F.linear(x.double(), w.double(), None if b is None else b.double())

@@ -1,0 +1,83 @@
+"""The CPU decoder layer's small ops fused in C++ (``csrc/cpu_fused_ops.cpp``): residual
+add + RMSNorm, M-RoPE of q and k, and the K/V cache write, one op each where the torch
+reference issues 2-10 (the ``cpu`` backend's ``rms_norm`` / ``apply_mrope`` /
+``reshape_and_cache``; ``kernels.get_ops``). Same signatures as ``torch_ref``; anything
+the C++ ops do not take (non-fp32 activations, a 3-D norm input, a cache dtype other
+than the key's) goes to ``torch_ref``. ``TRIPTYCH_CPU_FUSED_OPS=0`` (env, read when the
+ops are chosen) keeps the torch reference: an A/B switch for benchmarks.
+
+Results: M-RoPE and the cache write equal the reference bit for bit; the norm differs by
+the rounding of its mean (another summation order). Measured in docs/performance.md,
+"Batch 1: the layers' small ops".
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from triptych.kernels import cpu_build, torch_ref
+
+logger = logging.getLogger("triptych.cpu_fused_ops")
+
+LIBRARY = "cpu_fused_ops"
+_state: dict[str, bool] = {}
+
+
+def enabled() -> bool:
+    """``TRIPTYCH_CPU_FUSED_OPS`` is not 0 and the library is built and loaded here."""
+    if os.environ.get("TRIPTYCH_CPU_FUSED_OPS", "1") == "0":
+        return False
+    if LIBRARY not in _state:
+        try:
+            cpu_build.load_library(LIBRARY)
+            _state[LIBRARY] = True
+        except cpu_build.BuildError as e:
+            logger.warning("the fused CPU layer ops are unavailable, using the torch ones "
+                           "(install g++ to get them): %s", e)
+            _state[LIBRARY] = False
+    return _state[LIBRARY]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch_ref.rms_norm in one pass: with ``residual``, (norm(x + residual), x + residual)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or \
+            x.device.type != "cpu" or x.stride(-1) != 1 or (residual is not None and (
+                residual.dtype != torch.float32 or residual.stride(-1) != 1)):
+        return torch_ref.rms_norm(x, weight, eps, residual)
+    y, total = torch.ops.triptych_fused.add_rms_norm(x, residual, weight.contiguous(), eps)
+    return y if residual is None else (y, total)
+
+
+def apply_mrope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, mrope_section: list[int],
+                plan: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_ref.apply_mrope for q and k in one op (fp32; others: the reference)."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or q.device.type != "cpu" or \
+            q.stride(-1) != 1 or k.stride(-1) != 1:
+        return torch_ref.apply_mrope(q, k, positions, cos_sin_cache, mrope_section, plan)
+    cos, sin = plan if plan is not None else torch_ref.mrope_plan(
+        positions, cos_sin_cache, mrope_section)
+    return torch.ops.triptych_fused.mrope(q, k, cos.contiguous(), sin.contiguous())
+
+
+apply_mrope.make_plan = torch_ref.mrope_plan  # type: ignore[attr-defined]
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """torch_ref.reshape_and_cache in one op (slot -1 skipped), in place."""
+    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or \
+            slot_mapping.dtype != torch.int64 or key.device.type != "cpu" or \
+            k_cache.device.type != "cpu" or not k_cache.is_contiguous() or \
+            not v_cache.is_contiguous():
+        return torch_ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    key = key if key.stride(1) == key.shape[2] and key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(1) == value.shape[2] and value.stride(2) == 1 \
+        else value.contiguous()
+    torch.ops.triptych_fused.cache_write(key, value, k_cache, v_cache,
+                                         slot_mapping.contiguous())
+    return None

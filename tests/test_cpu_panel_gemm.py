@@ -1,0 +1,72 @@
+"""The batched panel GEMM (kernels/cpu_panel_gemm.py, csrc/cpu_panel_gemm.cpp) behind
+``CpuGemm`` for fp32 calls of more than the GEMV's rows, and the sampler's C++ argmax:
+fp32 / bf16 within their rounding of an fp64 reference for row counts around the 8-row
+register tile and column counts around the 48-column one (odd K, bias), a split over 2
+threads equal to one thread's, ``TRIPTYCH_CPU_PANEL_GEMM=0`` keeping oneDNN, and argmax
+equal to torch.argmax (ties: the first; NaN wins)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triptych.engine.sampler import Sampler
+from triptych.kernels import cpu_linear, cpu_panel_gemm
+from triptych.kernels.cpu_linear import CpuGemm
+
+pytestmark = pytest.mark.skipif(not cpu_panel_gemm.loaded(), reason="no C++ compiler here")
+TOLERANCE = {"float32": 1e-6, "bfloat16": 5e-3}  # bf16: x and w rounded to bf16
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_panel_gemm_matches_the_reference(fmt):
+    if not cpu_panel_gemm.supported(fmt):
+        pytest.skip(f"no {fmt} panel GEMM on this CPU")
+    g = torch.Generator().manual_seed(0)
+    for k, n, bias in [(40, 96, True), (33, 50, False), (512, 1040, True), (1377, 17, False)]:
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        panels = cpu_panel_gemm.pack(w.to(getattr(torch, fmt)))
+        for m in (1, 3, 8, 9, 32, 37):
+            x = torch.randn(m, k, generator=g)
+            ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+            y = cpu_panel_gemm.gemm(x, panels, n, b, 1)
+            assert y.dtype == torch.float32 and y.shape == ref.shape
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < TOLERANCE[fmt], (fmt, k, n, m, err)
+            if m == 32:  # columns split over 2 threads: the same sums, bit for bit
+                torch.set_num_threads(2)
+                try:
+                    assert torch.equal(cpu_panel_gemm.gemm(x, panels, n, b, 2), y)
+                finally:
+                    torch.set_num_threads(1)
+
+
+def test_cpu_gemm_uses_the_panels_for_fp32_batches_and_the_switch_turns_them_off(monkeypatch):
+    if not cpu_panel_gemm.supported("float32"):
+        pytest.skip("no AVX-512 here")
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(300, 64, generator=g), torch.randn(300, generator=g), \
+        torch.randn(2, 16, 64, generator=g)
+    gemm = CpuGemm(w, b, "float32")
+    assert gemm.panels is not None and gemm.packed is None
+    y = gemm(x)
+    assert torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("TRIPTYCH_CPU_PANEL_GEMM", "0")
+    lib = CpuGemm(w, b, "float32")
+    assert lib.panels is None and lib.packed is not None
+    assert torch.allclose(lib(x), y, rtol=1e-5, atol=1e-5)
+    assert cpu_linear.CpuGemm(w, b, "bfloat16").panels is None  # bf16 stays on oneDNN
+
+
+def test_argmax_equals_torch_with_ties_and_nan():
+    g = torch.Generator().manual_seed(2)
+    for m, v in [(1, 1), (3, 17), (32, 151936), (5, 100)]:
+        logits = torch.randn(m, v, generator=g)
+        if v >= 17:
+            logits[0, 3] = logits[0, 9] = 1e9  # tie: the first index
+            logits[-1, v - 1] = 1e9  # the maximum in the tail after the 16-lane loop
+        if m >= 3:
+            logits[1, 5] = float("nan")  # torch.argmax: NaN is the largest
+        assert torch.equal(cpu_panel_gemm.argmax(logits), logits.argmax(-1)), (m, v)
+    logits = torch.randn(4, 1000, generator=g)
+    assert torch.equal(Sampler._argmax(logits), logits.argmax(-1))
