@@ -125,21 +125,21 @@ class Batcher:
                     pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
 
 
-def sample(rng: random.Random, frac: float, args: argparse.Namespace
+def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool = False
            ) -> tuple[Any, str, list[list[list[int]]]]:
     """Curriculum: lines grow from 1 to 32 characters over the first ``--ramp`` of the run
     (a line of one or two characters teaches the glyphs before alignment matters); short
-    pages (2-3 lines on a 280-336 px wide canvas) join after ``--pages-from`` of the run,
-    one sample in ``--page-every``. ``--random-share`` of the lines are random characters.
+    pages (2-3 lines on a 280-336 px wide canvas, ``page``) join after ``--pages-from`` of
+    the run. ``--random-share`` of the lines are random characters.
     Returns (image, transcription, the characters each merged vision token shows)."""
     cols: list[list[list[int]]] = []
-    if frac >= args.pages_from and rng.random() < 1 / args.page_every:
+    if page:
         img, text = render.sample_page(rng, n_lines=rng.randint(2, 3),
                                        max_chars=rng.randint(8, 24),
                                        width=rng.choice([280, 308, 336]),
                                        default_only=args.default_font_only, columns=cols)
         return img, text, cols
-    max_chars = int(1 + 31 * min(1.0, frac / args.ramp))
+    max_chars = int(1 + 31 * min(1.0, frac / args.ramp)) if args.ramp > 0 else 32
     img, text = render.sample_line(rng, rng.randint(max(1, max_chars // 3), max_chars),
                                    default_only=args.default_font_only,
                                    random_share=args.random_share, columns=cols)
@@ -241,7 +241,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    build_skeleton(args.out, args.seed)
+    if args.init:  # a further phase: start from a trained checkpoint (its files, weights)
+        import shutil
+
+        shutil.copytree(args.init, args.out, dirs_exist_ok=True)
+    else:
+        build_skeleton(args.out, args.seed)
     batcher = Batcher(args.out)
     model = Qwen2VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32)
     model.train()
@@ -249,12 +254,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = list(model.parameters()) + list(teacher.head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, avg, acc, tacc = time.monotonic(), None, None, None
-    for step in range(args.steps):
+    for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        samples = [sample(rng, frac, args) for _ in range(args.batch)]
+        # Pages come in batches of their own (an eighth of --batch), so that lines are not
+        # padded to a page's length: every --page-every-th step once pages have joined.
+        page = frac >= args.pages_from and step % args.page_every == 0
+        samples = [sample(rng, frac, args, page)
+                   for _ in range(max(1, args.batch // 8) if page else args.batch)]
         batch = batcher([(img, text) for img, text, _ in samples], rng)
         out = model(**batch)
         aux, t = teacher.loss(teacher.targets(samples))
@@ -282,8 +291,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for prm in model.parameters():
             prm.copy_(prm.half().float())
     model.save_pretrained(args.out, safe_serialization=True)
-    result = {"steps": args.steps, "batch": args.batch, "seed": args.seed,
-              "threads": args.threads, "train_minutes": round(minutes, 1),
+    phase = {k: v for k, v in vars(args).items() if k not in ("out", "log_every", "save_every")}
+    phase["train_minutes"] = round(minutes, 1)
+    earlier: list[dict[str, Any]] = []
+    if args.init and os.path.exists(os.path.join(args.init, "training.json")):
+        with open(os.path.join(args.init, "training.json")) as f:
+            earlier = json.load(f).get("phases", [])
+    result = {"phases": earlier + [phase],
+              "train_minutes": round(sum(p["train_minutes"] for p in earlier + [phase]), 1),
               "heldout_lines": args.eval_lines,
               "heldout_cer": round(evaluate(model, batcher, args.eval_lines), 4)}
     with open(os.path.join(args.out, "training.json"), "w") as f:
@@ -303,14 +318,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="fraction of the run over which lines grow from 1 to 32 characters")
     p.add_argument("--pages-from", type=float, default=0.5,
                    help="fraction of the run after which short pages join the lines")
-    p.add_argument("--page-every", type=int, default=16,
-                   help="one sample in this many is a page once pages have joined")
+    p.add_argument("--page-every", type=int, default=8,
+                   help="once pages have joined, every this many steps is a batch of pages "
+                        "(--batch / 8 of them)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps of the --steps schedule (0: all), e.g. "
+                        "to end a phase at a point of its learning-rate curve")
     p.add_argument("--random-share", type=float, default=0.5,
                    help="share of lines made of random characters (no word prior)")
     p.add_argument("--aux-weight", type=float, default=1.0,
                    help="weight of the per-token glyph loss (TokenTargets)")
     p.add_argument("--eval-every", type=int, default=1000,
                    help="steps between quick held-out CERs (30 lines; 0: none)")
+    p.add_argument("--init", default=None,
+                   help="start from this trained checkpoint instead of random weights (a "
+                        "second phase; the glyph head starts afresh)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and samples")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 keeps a shared box's other core free and loses "
