@@ -18,10 +18,10 @@ def add_parser(subparsers: Any) -> None:
         "chat", help="interactive multi-turn chat in the terminal",
         description="Interactive chat with a checkpoint. " + _COMMANDS + " Without --model "
                     "it falls back to the built-in demo checkpoint (a tiny model trained to "
-                    "transcribe printed text; it does not read yet: docs/demo-model.md).")
+                    "transcribe printed text: docs/demo-model.md).")
     add_engine_args(p, model_required=False, model_help=(
         "checkpoint directory or Hugging Face hub id (if unset: the built-in demo "
-        "checkpoint, a tiny OCR model in training that does not read yet)"))
+        "checkpoint, a tiny model that transcribes printed lines)"))
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     # Engine stats lines every 10 s would land in the middle of answers.

@@ -25,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /invocations, "
                     "/health, /version and /metrics. Without --model the built-in "
                     "demo checkpoint is served: a tiny model trained to transcribe printed "
-                    "text, which does not read yet (point --model at a real checkpoint).")
+                    "lines and short pages (point --model at a real checkpoint).")
     add_engine_args(p, model_required=False)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
@@ -176,8 +176,9 @@ def served_model(args: argparse.Namespace, model: str | None) -> tuple[str, str]
         from triptych.models.demo import demo_checkpoint
         model = demo_checkpoint()
         logger.info("no --model given: serving the built-in demo checkpoint at %s (a tiny "
-                    "OCR model in training: its text is not right yet, see docs/demo-model.md; "
-                    "pass --model for a real one)", model)
+                    "OCR model: it transcribes printed lines and short pages and answers "
+                    "every prompt that way, see docs/demo-model.md; pass --model for a "
+                    "real one)", model)
     name = getattr(args, "served_model_name", None) or (
         args.model if args.model and not os.path.isdir(os.path.expanduser(args.model))
         else os.path.basename(os.path.normpath(model)))

@@ -108,8 +108,20 @@ def _colors(rng: random.Random) -> tuple[tuple[int, int, int], tuple[int, int, i
     return (bg, bg, bg - rng.randint(0, 10)), (fg, fg, fg)
 
 
-def render_line(text: str, rng: random.Random, font: Any = None, *, clean: bool = False) -> Any:
-    """``text`` on a strip ``ROW`` px high, width a multiple of ``ROW``."""
+def _columns(text: str, font: Any, x: float, out: list[list[int]]) -> None:
+    """Append each printed character of ``text`` drawn from ``x`` (its index in CHARSET) to
+    the ``ROW``-px column its centre falls in: what each merged vision token shows, the
+    training's per-token targets (demo/train.py)."""
+    for i, ch in enumerate(text):
+        if ch != " " and ch in CHARSET:
+            centre = x + (font.getlength(text[:i]) + font.getlength(text[:i + 1])) / 2
+            out[min(max(int(centre // ROW), 0), len(out) - 1)].append(CHARSET.index(ch))
+
+
+def render_line(text: str, rng: random.Random, font: Any = None, *, clean: bool = False,
+                columns: list[list[list[int]]] | None = None) -> Any:
+    """``text`` on a strip ``ROW`` px high, width a multiple of ``ROW``. ``columns``: a list
+    that receives one row of per-column characters (``_columns``)."""
     from PIL import Image, ImageDraw
 
     font = font or pick_font(rng)
@@ -121,13 +133,18 @@ def render_line(text: str, rng: random.Random, font: Any = None, *, clean: bool 
     ascent, descent = font.getmetrics()
     y = (ROW - ascent - descent) // 2 + rng.randint(-1, 1)
     ImageDraw.Draw(img).text((x0 - min(left, 0), y), text, font=font, fill=fg)
+    if columns is not None:
+        columns.append([[] for _ in range(width // ROW)])
+        _columns(text, font, x0 - min(left, 0), columns[-1])
     return img if clean else _finish(img, rng)
 
 
 def render_page(lines: list[str], rng: random.Random, font: Any = None, *,
-                width: int = 448, clean: bool = False) -> Any:
+                width: int = 448, clean: bool = False,
+                columns: list[list[list[int]]] | None = None) -> Any:
     """A few lines on a portrait canvas (``width`` x ~1.3 ``width``), top-left, one line per
-    ``ROW``-aligned row with a gap row between paragraphs now and then."""
+    ``ROW``-aligned row with a gap row between paragraphs now and then. ``columns``: a list
+    that receives the page's rows of per-column characters (``_columns``)."""
     from PIL import Image, ImageDraw
 
     font = font or pick_font(rng)
@@ -138,25 +155,39 @@ def render_page(lines: list[str], rng: random.Random, font: Any = None, *,
     ascent, descent = font.getmetrics()
     row = rng.randint(1, 3)
     x0 = rng.randint(14, 40)
+    grid = [[[] for _ in range(width // ROW)] for _ in range(height // ROW)]
     for text in lines:
         y = row * ROW + (ROW - ascent - descent) // 2
         draw.text((x0 - min(font.getbbox(text)[0], 0), y), text, font=font, fill=fg)
+        _columns(text, font, x0 - min(font.getbbox(text)[0], 0), grid[row])
         row += 1 + (rng.random() < 0.25)
+    if columns is not None:
+        columns.extend(grid)
     return img if clean else _finish(img, rng)
 
 
-def sample_line(rng: random.Random, max_chars: int, *, default_only: bool = False
+def random_text(rng: random.Random, max_chars: int) -> str:
+    """Random characters (no words, so no language prior to lean on: training's glyph
+    teacher), ``max_chars // 3`` to ``max_chars`` of them."""
+    n = rng.randint(max(1, max_chars // 3), max(1, max_chars))
+    return "".join(rng.choice(CHARSET) for _ in range(n)).strip() or rng.choice(CHARSET[:62])
+
+
+def sample_line(rng: random.Random, max_chars: int, *, default_only: bool = False,
+                random_share: float = 0.0, columns: list[list[list[int]]] | None = None
                 ) -> tuple[Any, str]:
-    """(image, transcription) of one line."""
+    """(image, transcription) of one line; ``random_share`` of them random characters."""
     font = pick_font(rng, default_only)
-    text = sample_text(rng, max_chars)
+    text = (random_text(rng, max_chars) if random_share and rng.random() < random_share
+            else sample_text(rng, max_chars))
     while font.getbbox(text)[2] > 420 and len(text) > 1:  # keep lines under 448 px
         text = text[:-1].rstrip() or text[:1]
-    return render_line(text, rng, font), text
+    return render_line(text, rng, font, columns=columns), text
 
 
 def sample_page(rng: random.Random, *, n_lines: int | None = None, max_chars: int = 36,
-                width: int = 448, default_only: bool = False) -> tuple[Any, str]:
+                width: int = 448, default_only: bool = False,
+                columns: list[list[list[int]]] | None = None) -> tuple[Any, str]:
     """(image, transcription) of a short page: 2-4 lines, joined by newlines."""
     font = pick_font(rng, default_only)
     lines = []
@@ -165,7 +196,7 @@ def sample_page(rng: random.Random, *, n_lines: int | None = None, max_chars: in
         while font.getbbox(text)[2] > width - 60 and len(text) > 1:
             text = text[:-1].rstrip() or text[:1]
         lines.append(text)
-    return render_page(lines, rng, font, width=width), "\n".join(lines)
+    return render_page(lines, rng, font, width=width, columns=columns), "\n".join(lines)
 
 
 def heldout_lines(n: int, seed: int = 12345, max_chars: int = 32) -> list[tuple[Any, str]]:
@@ -185,3 +216,32 @@ def cer(hyp: str, ref: str) -> tuple[int, int]:
             cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (h != r)))
         prev = cur
     return prev[-1], max(len(ref), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m triptych.demo.render OUT.png [LINE ...]``: an image to try the demo model on
+    (README's first example): the given lines, or seeded sampled ones, printed clean in
+    Pillow's default font as a short page (several lines) or a line strip (one)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out", help="PNG file to write")
+    p.add_argument("lines", nargs="*", help="lines of text (default: sampled ones)")
+    p.add_argument("--lines-count", type=int, default=3, help="sampled lines when none given")
+    p.add_argument("--width", type=int, default=336, help="page width in pixels (x1.3 high)")
+    p.add_argument("--size", type=int, default=18, help="font size in pixels (17-20 read best)")
+    p.add_argument("--seed", type=int, default=7, help="seed of the sampled lines")
+    a = p.parse_args(argv)
+    rng = random.Random(a.seed)
+    font = _font(None, a.size)
+    lines = a.lines or [sample_text(rng, 24) for _ in range(a.lines_count)]
+    img = (render_line(lines[0], rng, font, clean=True) if len(lines) == 1
+           else render_page(lines, rng, font, width=a.width, clean=True))
+    img.save(a.out)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,6 +43,10 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 16 * 24 * 28 * 28  # a 28-px line as is; pages up to 448x672
+# Pixel normalisation: a light page maps to ~0 and ink to ~-1.8. With CLIP's mean/std a
+# light background maps to ~+1.9 in every channel, and since the patch embedding has no
+# bias every vision token then carries one large common vector (docs/demo-model.md).
+IMAGE_MEAN, IMAGE_STD = 0.92, 0.5
 
 
 def char_tokenizer() -> Any:
@@ -75,7 +79,9 @@ def build_skeleton(out: str, seed: int) -> None:
 
     make_tiny_qwen2_vl("qwen2_vl", out, seed=seed, init_std=0.02, tokenizer=char_tokenizer(),
                        max_position_embeddings=4096, **ARCH)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                             image_mean=[IMAGE_MEAN] * 3, image_std=[IMAGE_STD] * 3
+                             ).save_pretrained(out)
 
 
 class Batcher:
@@ -119,15 +125,88 @@ class Batcher:
                     pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
 
 
-def sample(rng: random.Random, frac: float, default_only: bool) -> tuple[Any, str]:
-    """Curriculum: lines grow from 4 to 32 characters over the first 40%; short pages
-    (2-3 lines on a 280-336 px wide canvas) join after half the run, one sample in 24."""
-    if frac > 0.5 and rng.random() < 1 / 24:
-        return render.sample_page(rng, n_lines=rng.randint(2, 3), max_chars=rng.randint(8, 24),
-                                  width=rng.choice([280, 308, 336]), default_only=default_only)
-    max_chars = int(4 + 28 * min(1.0, frac / 0.4))
-    return render.sample_line(rng, rng.randint(max(2, max_chars // 3), max_chars),
-                              default_only=default_only)
+def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool = False
+           ) -> tuple[Any, str, list[list[list[int]]]]:
+    """Curriculum: lines grow from 1 to 32 characters over the first ``--ramp`` of the run
+    (a line of one or two characters teaches the glyphs before alignment matters); short
+    pages (2-3 lines on a 280-336 px wide canvas, ``page``) join after ``--pages-from`` of
+    the run. ``--random-share`` of the lines are random characters.
+    Returns (image, transcription, the characters each merged vision token shows)."""
+    cols: list[list[list[int]]] = []
+    if page:
+        img, text = render.sample_page(rng, n_lines=rng.randint(2, 3),
+                                       max_chars=rng.randint(8, 24),
+                                       width=rng.choice([280, 308, 336]),
+                                       default_only=args.default_font_only, columns=cols)
+        return img, text, cols
+    max_chars = int(1 + 31 * min(1.0, frac / args.ramp)) if args.ramp > 0 else 32
+    img, text = render.sample_line(rng, rng.randint(max(1, max_chars // 3), max_chars),
+                                   default_only=args.default_font_only,
+                                   random_share=args.random_share, columns=cols)
+    return img, text, cols
+
+
+class TokenTargets:
+    """The glyph teacher (training only, not shipped): a linear head on the vision tower's
+    merged tokens predicts the characters each token shows, left to right, in ``SLOTS``
+    slots (``NONE`` past the last). A dense per-token signal: the tower learns glyphs from
+    every token of every image instead of only through the language model's loss, which
+    early in training leans on the word prior and the line's length. The head reads the
+    tower's output through a forward hook, so the forward runs once."""
+
+    SLOTS = 4
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.none = len(render.CHARSET)
+        self.head = torch.nn.Linear(model.config.text_config.hidden_size,
+                                    self.SLOTS * (self.none + 1))
+        self.captured: Any = None
+        model.model.visual.register_forward_hook(self._keep)
+
+    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
+        self.captured = output.pooler_output
+
+    def targets(self, samples: list[tuple[Any, str, list[list[list[int]]]]]) -> Any:
+        """One row of slots per merged token, in the tower's order (rows, then columns);
+        -100 where a token shows more than ``SLOTS`` characters."""
+        import torch
+
+        rows = []
+        for _, _, grid in samples:
+            for row in grid:
+                for chars in row:
+                    rows.append(chars + [self.none] * (self.SLOTS - len(chars))
+                                if len(chars) <= self.SLOTS else [-100] * self.SLOTS)
+        return torch.tensor(rows)
+
+    def loss(self, targets: Any) -> tuple[Any, float]:
+        """(cross-entropy over the slots, accuracy on the slots that hold a character)."""
+        import torch
+        import torch.nn.functional as F
+
+        logits = self.head(self.captured).view(-1, self.SLOTS, self.none + 1)
+        if logits.shape[0] != targets.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} merged tokens but {targets.shape[0]} "
+                               "targets: an image was resized by the processor")
+        loss = F.cross_entropy(logits.reshape(-1, self.none + 1), targets.reshape(-1),
+                               ignore_index=-100)
+        with torch.no_grad():
+            mask = (targets != -100) & (targets != self.none)
+            hit = ((logits.argmax(-1) == targets) & mask).sum().item()
+        return loss, hit / max(1, mask.sum().item())
+
+
+def char_accuracy(logits: Any, labels: Any, eos: int) -> float:
+    """Teacher-forced accuracy on the transcription's characters (the closing EOS left out:
+    it is learned long before the glyphs and would hide them)."""
+    import torch
+
+    with torch.no_grad():
+        lab, pred = labels[:, 1:], logits[:, :-1].argmax(-1)
+        mask = (lab != -100) & (lab != eos)
+        return ((pred == lab) & mask).sum().item() / max(1, mask.sum().item())
 
 
 def greedy(model: Any, batcher: Batcher, image: Any, max_new: int = 160) -> str:
@@ -162,27 +241,48 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    build_skeleton(args.out, args.seed)
+    if args.init:  # a further phase: start from a trained checkpoint (its files, weights)
+        import shutil
+
+        shutil.copytree(args.init, args.out, dirs_exist_ok=True)
+    else:
+        build_skeleton(args.out, args.seed)
     batcher = Batcher(args.out)
     model = Qwen2VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    start, avg = time.monotonic(), None
-    for step in range(args.steps):
+    teacher = TokenTargets(model)
+    params = list(model.parameters()) + list(teacher.head.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    start, avg, acc, tacc = time.monotonic(), None, None, None
+    for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
-        lr = args.lr * min(1.0, (step + 1) / 50) * (0.5 + 0.5 * math.cos(math.pi * frac))
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = batcher([sample(rng, frac, args.default_font_only) for _ in range(args.batch)], rng)
-        loss = model(**batch).loss
+        # Pages come in batches of their own (an eighth of --batch), so that lines are not
+        # padded to a page's length: every --page-every-th step once pages have joined.
+        page = frac >= args.pages_from and step % args.page_every == 0
+        samples = [sample(rng, frac, args, page)
+                   for _ in range(max(1, args.batch // 8) if page else args.batch)]
+        batch = batcher([(img, text) for img, text, _ in samples], rng)
+        out = model(**batch)
+        aux, t = teacher.loss(teacher.targets(samples))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (out.loss + args.aux_weight * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        avg = loss.item() if avg is None else 0.95 * avg + 0.05 * loss.item()
+        a = char_accuracy(out.logits, batch["labels"], batcher.eos)
+        avg = out.loss.item() if avg is None else 0.98 * avg + 0.02 * out.loss.item()
+        acc = a if acc is None else 0.98 * acc + 0.02 * a
+        tacc = t if tacc is None else 0.98 * tacc + 0.02 * t
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step} loss {avg:.4f} lr {lr:.2e} {time.monotonic() - start:.0f}s",
+            print(f"step {step} loss {avg:.4f} char-acc {acc:.3f} token-acc {tacc:.3f} "
+                  f"lr {lr:.2e} {time.monotonic() - start:.0f}s", flush=True)
+        if args.eval_every and step and step % args.eval_every == 0:
+            model.eval()
+            print(f"step {step} held-out CER {evaluate(model, batcher, 30):.3f} (30 lines)",
                   flush=True)
+            model.train()
         if args.save_every and step and step % args.save_every == 0:
             model.save_pretrained(args.out, safe_serialization=True)
     minutes = (time.monotonic() - start) / 60
@@ -191,8 +291,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for prm in model.parameters():
             prm.copy_(prm.half().float())
     model.save_pretrained(args.out, safe_serialization=True)
-    result = {"steps": args.steps, "batch": args.batch, "seed": args.seed,
-              "threads": args.threads, "train_minutes": round(minutes, 1),
+    phase = {k: v for k, v in vars(args).items() if k not in ("out", "log_every", "save_every")}
+    phase["train_minutes"] = round(minutes, 1)
+    earlier: list[dict[str, Any]] = []
+    if args.init and os.path.exists(os.path.join(args.init, "training.json")):
+        with open(os.path.join(args.init, "training.json")) as f:
+            earlier = json.load(f).get("phases", [])
+    result = {"phases": earlier + [phase],
+              "train_minutes": round(sum(p["train_minutes"] for p in earlier + [phase]), 1),
               "heldout_lines": args.eval_lines,
               "heldout_cer": round(evaluate(model, batcher, args.eval_lines), 4)}
     with open(os.path.join(args.out, "training.json"), "w") as f:
@@ -205,16 +311,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=340, help="optimizer steps")
-    p.add_argument("--batch", type=int, default=16, help="samples per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine)")
+    p.add_argument("--steps", type=int, default=6000, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=64, help="samples per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine)")
+    p.add_argument("--ramp", type=float, default=0.4,
+                   help="fraction of the run over which lines grow from 1 to 32 characters")
+    p.add_argument("--pages-from", type=float, default=0.5,
+                   help="fraction of the run after which short pages join the lines")
+    p.add_argument("--page-every", type=int, default=8,
+                   help="once pages have joined, every this many steps is a batch of pages "
+                        "(--batch / 8 of them)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps of the --steps schedule (0: all), e.g. "
+                        "to end a phase at a point of its learning-rate curve")
+    p.add_argument("--random-share", type=float, default=0.5,
+                   help="share of lines made of random characters (no word prior)")
+    p.add_argument("--aux-weight", type=float, default=1.0,
+                   help="weight of the per-token glyph loss (TokenTargets)")
+    p.add_argument("--eval-every", type=int, default=1000,
+                   help="steps between quick held-out CERs (30 lines; 0: none)")
+    p.add_argument("--init", default=None,
+                   help="start from this trained checkpoint instead of random weights (a "
+                        "second phase; the glyph head starts afresh)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and samples")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1 keeps a shared box's other core free and loses "
+                        "little: the model is small and a step is mostly Python)")
     p.add_argument("--default-font-only", action="store_true",
                    help="render with Pillow's default font only (no DejaVu)")
     p.add_argument("--eval-lines", type=int, default=60, help="held-out lines for the CER")
-    p.add_argument("--log-every", type=int, default=25, help="steps between loss lines")
-    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
+    p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     train(p.parse_args(argv))
     return 0
 
