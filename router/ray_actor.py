@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
-import tempfile
 from typing import Any
 
 WORKER_KEY = "worker"  # the name of every actor's key in its key dir (one deployment key)
@@ -32,10 +31,14 @@ HANDLERS = {"colocated": ("triptych.decode.worker", "make_worker"),
             "encode": ("triptych.encode.worker", "EncodeWorker")}
 
 
-def write_key_dir(keys: dict[str, bytes]) -> str:
+def write_key_dir(keys: dict[str, bytes]) -> tuple[str, int]:
     """``keys``: router_public, worker_public, worker_secret (z85). A key dir in the layout
-    of ``triptych keys`` (private 0700 / 0600), readable by this user only."""
-    path = tempfile.mkdtemp(prefix=f"triptych-{os.getpid()}-keys-")  # 0700
+    of ``triptych keys`` (private 0700 / 0600), readable by this user only; (its path, the
+    lock fd this process holds while it lives: connector/owner.py, so that a killed actor's
+    dir is judged dead at once by the next stale cleanup on this node)."""
+    from triptych.connector.owner import make_owned_dir
+
+    path, fd = make_owned_dir(f"triptych-{os.getpid()}-keys-")  # 0700
     os.makedirs(os.path.join(path, "private"), mode=0o700)
     os.makedirs(os.path.join(path, "public"), mode=0o755)
 
@@ -53,7 +56,7 @@ def write_key_dir(keys: dict[str, bytes]) -> str:
                          (WORKER_KEY, keys["worker_public"])):
         with open(os.path.join(path, "public", f"{name}.key"), "w") as f:
             f.write(cert(public, None))
-    return path
+    return path, fd
 
 
 class PoolWorkerActor:
@@ -82,7 +85,7 @@ class PoolWorkerActor:
         # NOTE: before torch loads in this process (the OpenMP wait policy is read then)
         os.environ.update(thread_env(spec.num_threads, os.environ))
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(spec.num_threads)
-        key_dir = write_key_dir(keys)
+        key_dir, key_lock = write_key_dir(keys)
         try:
             config: dict[str, Any] = dict(spec.config, kv_transfer="tcp",
                                           kv_transfer_host=ray.util.get_node_ip_address(),
@@ -94,3 +97,4 @@ class PoolWorkerActor:
             return 0
         finally:
             shutil.rmtree(key_dir, ignore_errors=True)
+            os.close(key_lock)

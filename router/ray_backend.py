@@ -266,10 +266,30 @@ class RayBackend:
 
         if not ray.is_initialized():
             return
+        pids = [p.pid for p in self._procs.values()]
         for name in list(self._procs) + list(self._pgs):
             self.release(name)
         if self.started_ray:
             ray.shutdown()
+        _clean_after(pids)
+
+
+def _clean_after(pids: list[int], timeout: float = 5.0) -> None:
+    """Once the killed actors of this host have exited (bounded), remove their key dirs: a
+    killed actor cannot, and each key dir is judged by the lock its actor held."""
+    import time
+
+    from triptych.router.supervisor import clean_stale
+
+    deadline = time.monotonic() + timeout
+    for pid in (p for p in pids if p > 0):
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
+    clean_stale()
 
 
 def _check_reachable(address: str) -> None:

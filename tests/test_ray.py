@@ -248,13 +248,25 @@ def test_losing_nodes_mid_stream(server, cluster):
     assert _ask(server, msgs, LONG) == want  # through the replaced prefill worker
 
 
-def test_1e2p2d_on_ray_nodes_equals_hf(server, cluster):
+def test_1e2p2d_on_ray_nodes_equals_hf(server, cluster, tiny_qwen2_vl):
     """Grown to 1e2p2d (a second prefill worker on a new prefill node): every worker serves,
-    and the greedy tokens stay the ones test_pools_on_ray_nodes_equal_hf checked against HF
-    (the image prompt through both prefill workers too)."""
+    and greedy tokens through both prefill workers equal HF's (text and image prompts).
+    Distinct prompts, sent 4 at a time: the router is prefix-aware, so prompts the first
+    prefill worker already served would rightly go back to it."""
+    from triptych.api.processor import InputProcessor
+    from triptych.models.hf_oracle import hf_greedy, load_hf_model
+
     c, nodes = cluster
-    pic = user(image_part(data_url(png(img(1, 56, 84)))), text_part("What is it?"))
-    want = {"text": _ask(server, TEXT), "image": _ask(server, pic)}
+    proc = InputProcessor(tiny_qwen2_vl, max_model_len=512)
+    hf, pad = load_hf_model(tiny_qwen2_vl), proc.tokenizer.pad_token_id or 0
+    pic = img(1, 56, 84)
+    asks, want = [], []
+    for k in range(8):
+        q = f"Round {k}: what is it?"
+        offline = [{"role": "user", "content": ([{"type": "image", "image": pic}] if k % 2
+                                                else []) + [{"type": "text", "text": q}]}]
+        asks.append(user(*([image_part(data_url(png(pic)))] if k % 2 else []), text_part(q)))
+        want.append(hf_greedy(hf, proc.process_chat(offline), MAX_TOKENS, pad)[0])
     nodes["pre3"] = c.add_node(num_cpus=1, resources={"pre_node": 1})
     assert _resize(server, "prefill", 2)["added"] == ["prefill-1"]
     wait_for(lambda: len(_up(server, "prefill")) == 2 and len(_up(server, "decode")) == 2,
@@ -262,9 +274,8 @@ def test_1e2p2d_on_ray_nodes_equals_hf(server, cluster):
     assert len({w["node"]["node_id"] for w in _up(server, "prefill")}) == 2
     before = {w["name"]: w["served"] for p in ("prefill", "decode") for w in _workers(server, p)}
     with cf.ThreadPoolExecutor(4) as ex:
-        got = list(ex.map(lambda k: (k, _ask(server, TEXT if k == "text" else pic)),
-                          ["text", "image"] * 4))
-    assert all(ids == want[k] for k, ids in got)
+        got = list(ex.map(lambda m: _ask(server, m), asks))
+    assert got == want
     after = {w["name"]: w["served"] for p in ("prefill", "decode") for w in _workers(server, p)}
     assert sorted(after) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     assert after["prefill-1"] > before.get("prefill-1", 0), after
