@@ -222,16 +222,73 @@ def greedy(model: Any, batcher: Batcher, image: Any, max_new: int = 160) -> str:
     return batcher.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def evaluate(model: Any, batcher: Batcher, n: int) -> float:
-    """CER over ``n`` held-out lines (render.heldout_lines: a seed training never uses)."""
+def heldout_pages(n: int, seed: int = 4242) -> list[tuple[Any, str]]:
+    """Short clean pages (2-3 lines of up to 24 characters, 336 px wide) from a seed training
+    never uses: the page half of the evaluation."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        lines = [render.sample_text(rng, 24) for _ in range(rng.randint(2, 3))]
+        out.append((render.render_page(lines, rng, width=336, clean=True), "\n".join(lines)))
+    return out
+
+
+def evaluate(model: Any, batcher: Batcher, n: int, pages: bool = False) -> float:
+    """CER over ``n`` held-out lines (render.heldout_lines: a seed training never uses), or
+    ``n`` held-out short pages (``heldout_pages``)."""
     import torch
 
     errs = tot = 0
     with torch.no_grad():
-        for img, ref in render.heldout_lines(n):
+        for img, ref in (heldout_pages(n) if pages else render.heldout_lines(n)):
             e, t = render.cer(greedy(model, batcher, img), ref)
             errs, tot = errs + e, tot + t
     return errs / tot
+
+
+def make_batch(step: int, args: argparse.Namespace, batcher: Batcher, teacher: TokenTargets,
+               rng: random.Random) -> tuple[list[Any], dict[str, Any], Any]:
+    """Step ``step``'s samples, model inputs and glyph targets. Pages come in batches of
+    their own (an eighth of --batch), so that lines are not padded to a page's length:
+    every --page-every-th step once pages have joined."""
+    frac = step / args.steps
+    page = frac >= args.pages_from and step % args.page_every == 0
+    samples = [sample(rng, frac, args, page)
+               for _ in range(max(1, args.batch // 8) if page else args.batch)]
+    batch = batcher([(img, text) for img, text, _ in samples], rng)
+    return samples, batch, teacher.targets(samples)
+
+
+def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: TokenTargets,
+             rng: random.Random) -> Any:
+    """The batches, made one step ahead on a thread of this process (rendering and the image
+    processor mostly run outside the GIL, beside the forward and backward). One thread
+    draws every sample from ``rng`` in step order, so the data are those of a loop without
+    it."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=2)
+    done = threading.Event()
+
+    def produce() -> None:
+        for step in range(min(args.steps, args.max_steps or args.steps)):
+            item = make_batch(step, args, batcher, teacher, rng)
+            while not done.is_set():
+                try:
+                    q.put(item, timeout=1.0)
+                    break
+                except queue.Full:
+                    continue
+            if done.is_set():
+                return
+
+    threading.Thread(target=produce, name="batches", daemon=True).start()
+    try:
+        while True:
+            yield q.get(timeout=600)
+    finally:
+        done.set()
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -254,19 +311,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = list(model.parameters()) + list(teacher.head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, avg, acc, tacc = time.monotonic(), None, None, None
+    batches = prefetch(args, batcher, teacher, rng)
     for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        # Pages come in batches of their own (an eighth of --batch), so that lines are not
-        # padded to a page's length: every --page-every-th step once pages have joined.
-        page = frac >= args.pages_from and step % args.page_every == 0
-        samples = [sample(rng, frac, args, page)
-                   for _ in range(max(1, args.batch // 8) if page else args.batch)]
-        batch = batcher([(img, text) for img, text, _ in samples], rng)
+        samples, batch, targets = next(batches)
         out = model(**batch)
-        aux, t = teacher.loss(teacher.targets(samples))
+        aux, t = teacher.loss(targets)
         opt.zero_grad(set_to_none=True)
         (out.loss + args.aux_weight * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -285,6 +338,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             model.train()
         if args.save_every and step and step % args.save_every == 0:
             model.save_pretrained(args.out, safe_serialization=True)
+    batches.close()  # the producer stops
     minutes = (time.monotonic() - start) / 60
     model.eval()
     with torch.no_grad():  # float16 values, stored as float32 (the engine's CPU dtype)
@@ -300,10 +354,47 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result = {"phases": earlier + [phase],
               "train_minutes": round(sum(p["train_minutes"] for p in earlier + [phase]), 1),
               "heldout_lines": args.eval_lines,
-              "heldout_cer": round(evaluate(model, batcher, args.eval_lines), 4)}
+              "heldout_cer": round(evaluate(model, batcher, args.eval_lines), 4),
+              "heldout_pages": args.eval_pages,
+              "heldout_page_cer": round(evaluate(model, batcher, args.eval_pages, True), 4)}
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result), flush=True)
+    return result
+
+
+# The shipped recipe, phase by phase (``--recipe``): the flags each phase changes from the
+# defaults. Phase 1 is the first half of a 6,000-step cosine schedule (lines only, growing);
+# phases 2 and 3 start from the previous phase's weights and mix in pages.
+RECIPE: list[dict[str, Any]] = [
+    dict(steps=6000, max_steps=2800),
+    dict(steps=2500, lr=1e-3, ramp=0.0, pages_from=0.0),
+    dict(steps=3000, lr=7e-4, ramp=0.0, pages_from=0.0, page_every=2, random_share=0.3, seed=1),
+]
+
+
+def run_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """Every phase of RECIPE in turn, in one command; the phases' checkpoints go to
+    ``--out``/phase-N and the last one's files to ``--out`` (what ships)."""
+    import shutil
+
+    init, result, start = None, {}, time.monotonic()
+    for i, phase in enumerate(RECIPE, 1):
+        ns = p.parse_args(["--out", os.path.join(args.out, f"phase-{i}")])
+        for k, v in phase.items():
+            setattr(ns, k, v)
+        ns.init, ns.threads, ns.eval_every = init, args.threads, args.eval_every
+        print(f"recipe phase {i}/{len(RECIPE)}: {phase}", flush=True)
+        result = train(ns)
+        init = ns.out
+    for name in os.listdir(init):
+        if os.path.isfile(os.path.join(init, name)):
+            shutil.copy(os.path.join(init, name), args.out)
+    # Wall time of the whole command: the phases' training plus their evaluations.
+    result["recipe_wall_minutes"] = round((time.monotonic() - start) / 60, 1)
+    result["threads"] = args.threads
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(result, f, indent=2)
     return result
 
 
@@ -340,9 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--default-font-only", action="store_true",
                    help="render with Pillow's default font only (no DejaVu)")
     p.add_argument("--eval-lines", type=int, default=60, help="held-out lines for the CER")
+    p.add_argument("--eval-pages", type=int, default=10, help="held-out short pages for the "
+                   "page CER")
+    p.add_argument("--recipe", action="store_true",
+                   help="run the shipped recipe (RECIPE: every phase, one after the other; "
+                        "only --out, --threads and --eval-every apply)")
     p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
-    train(p.parse_args(argv))
+    args = p.parse_args(argv)
+    run_recipe(p, args) if args.recipe else train(args)
     return 0
 
 
