@@ -25,7 +25,9 @@ def _built() -> None:
 # (H, Hkv, D): tiny qwen2-vl (16), tiny qwen3-vl / internvl (32), the OCR bench model (64),
 # the default bench model (8/4/64), Qwen2-VL-2B (12/2/128), -7B (28/4/128), MHA, MQA
 LAYOUTS = [(4, 2, 16), (4, 2, 32), (4, 2, 64), (8, 4, 64), (12, 2, 128), (28, 4, 128),
-           (4, 4, 32), (8, 1, 64)]
+           (4, 4, 32), (8, 1, 64),
+           (4, 2, 80),  # AVX-512 path with a 16-lane tail after the 64-lane chunks
+           (2, 1, 24)]  # not a multiple of 16: the portable loop
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every size EngineConfig accepts
 
 

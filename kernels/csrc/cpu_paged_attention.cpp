@@ -19,6 +19,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -69,6 +73,88 @@ inline void axpy(float* acc, float p, const T* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(v[i]);
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 path for head sizes that are a multiple of 16 (64, 128, ...): each K row is
+// loaded once per block and its chunks feed every query head of the group; each score ends
+// in one horizontal sum of 4 partial vectors (independent FMA chains); the P @ V product
+// keeps 4 output chunks per head in registers across the block's tokens. bf16 / fp16 rows
+// are widened to fp32 in registers.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// s[g * bs + t] = qf[g] . k_t for the block's n tokens; qf is [G, D] fp32 (pre-scaled).
+template <typename T>
+inline void block_scores(const float* qf, const T* kb, int64_t row, int64_t n, int64_t G,
+                         int64_t D, int64_t bs, float* s) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kt = kb + t * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      int64_t c = 0;
+      for (; c + 64 <= D; c += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), load16(kt + c), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c + 16), load16(kt + c + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c + 32), load16(kt + c + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c + 48), load16(kt + c + 48), a3);
+      }
+      for (; c < D; c += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), load16(kt + c), a0);
+      s[g * bs + t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),
+                                                         _mm512_add_ps(a2, a3)));
+    }
+  }
+}
+
+// acc[g] += sum_t p[g * bs + t] * v_t over the block's n tokens, 64 lanes of D at a time.
+template <typename T>
+inline void block_pv(const float* p, const T* vb, int64_t row, int64_t n, int64_t G,
+                     int64_t D, int64_t bs, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * bs;
+    float* ag = acc + g * D;
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) {
+      __m512 r0 = _mm512_loadu_ps(ag + c), r1 = _mm512_loadu_ps(ag + c + 16);
+      __m512 r2 = _mm512_loadu_ps(ag + c + 32), r3 = _mm512_loadu_ps(ag + c + 48);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* vt = vb + t * row + c;
+        const __m512 w = _mm512_set1_ps(pg[t]);
+        r0 = _mm512_fmadd_ps(w, load16(vt), r0);
+        r1 = _mm512_fmadd_ps(w, load16(vt + 16), r1);
+        r2 = _mm512_fmadd_ps(w, load16(vt + 32), r2);
+        r3 = _mm512_fmadd_ps(w, load16(vt + 48), r3);
+      }
+      _mm512_storeu_ps(ag + c, r0);
+      _mm512_storeu_ps(ag + c + 16, r1);
+      _mm512_storeu_ps(ag + c + 32, r2);
+      _mm512_storeu_ps(ag + c + 48, r3);
+    }
+    for (; c < D; c += 16) {
+      __m512 r = _mm512_loadu_ps(ag + c);
+      for (int64_t t = 0; t < n; ++t)
+        r = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(vb + t * row + c), r);
+      _mm512_storeu_ps(ag + c, r);
+    }
+  }
+}
+constexpr bool kVectorPath = true;
+#else
+template <typename T>
+inline void block_scores(const float*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         float*) {}
+template <typename T>
+inline void block_pv(const float*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     float*) {}
+constexpr bool kVectorPath = false;
+#endif
+
 template <typename T>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv,
@@ -76,6 +162,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                    int64_t grain) {
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements between consecutive tokens of one block
+  const bool vec = kVectorPath && D % 16 == 0;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     // per-thread scratch: scaled queries, accumulators, running max / sum, block scores
     std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * bs);
@@ -95,8 +182,11 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
         const int64_t base = (static_cast<int64_t>(table[j]) * bs * Hkv + h) * D;
         const T* kb = kc + base;
         const T* vb = vc + base;
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < G; ++g) s[g * bs + t] = dot(&qf[g * D], kb + t * row, D);
+        if (vec)
+          block_scores(qf.data(), kb, row, n, G, D, bs, s.data());
+        else
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t g = 0; g < G; ++g) s[g * bs + t] = dot(&qf[g * D], kb + t * row, D);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = &s[g * bs];
           float mx = m[g];
@@ -114,8 +204,11 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
         }
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], s[g * bs + t], vb + t * row, D);
+        if (vec)
+          block_pv(s.data(), vb, row, n, G, D, bs, acc.data());
+        else
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], s[g * bs + t], vb + t * row, D);
       }
       T* ob = out + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
