@@ -3,9 +3,10 @@ decode attention fused in C++ (``cpu``, the CPU default, built on first use).
 
 ``get_ops(backend)`` returns a namespace with the same functions for every backend:
 reshape_and_cache, paged_decode_attention, paged_prefill_attention, varlen_attention,
-rms_norm, apply_mrope (signatures in ``torch_ref``). ``cpu`` is ``torch`` with
-``paged_decode_attention`` from ``cpu_paged_attention`` and, when it builds, ``rms_norm``,
-``apply_mrope`` and ``reshape_and_cache`` from ``cpu_fused_ops``.
+rms_norm, apply_mrope, silu_and_mul (signatures in ``torch_ref``). ``cpu`` is ``torch``
+with ``paged_decode_attention`` from ``cpu_paged_attention`` and, when it builds,
+``rms_norm``, ``apply_mrope``, ``reshape_and_cache`` and ``silu_and_mul`` from
+``cpu_fused_ops``.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def get_ops(backend: str) -> SimpleNamespace:
         decode = cpu_paged_attention.paged_decode_attention
         from triptych.kernels import cpu_fused_ops  # noqa: PLC0415 (builds on first use)
 
-        if cpu_fused_ops.enabled():  # residual + norm, M-RoPE, cache write: one op each
+        if cpu_fused_ops.enabled():  # residual + norm, M-RoPE, cache write, SwiGLU: one op each
             mod = cpu_fused_ops
     return SimpleNamespace(
         reshape_and_cache=mod.reshape_and_cache,
@@ -76,6 +77,7 @@ def get_ops(backend: str) -> SimpleNamespace:
         varlen_attention=torch_ref.varlen_attention if backend == "cpu" else mod.varlen_attention,
         rms_norm=mod.rms_norm,
         apply_mrope=mod.apply_mrope,
+        silu_and_mul=mod.silu_and_mul,
     )
 
 

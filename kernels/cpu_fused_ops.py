@@ -1,14 +1,17 @@
 """The CPU decoder layer's small ops fused in C++ (``csrc/cpu_fused_ops.cpp``): residual
-add + RMSNorm, M-RoPE of q and k, and the K/V cache write, one op each where the torch
-reference issues 2-10 (the ``cpu`` backend's ``rms_norm`` / ``apply_mrope`` /
-``reshape_and_cache``; ``kernels.get_ops``). Same signatures as ``torch_ref``; anything
-the C++ ops do not take (non-fp32 activations, a 3-D norm input, a cache dtype other
-than the key's) goes to ``torch_ref``. ``TRIPTYCH_CPU_FUSED_OPS=0`` (env, read when the
+add + RMSNorm, M-RoPE of q and k, the K/V cache write and the MLP's silu(gate) * up, one
+op each where the torch reference issues 2-10 (the ``cpu`` backend's ``rms_norm`` /
+``apply_mrope`` / ``reshape_and_cache`` / ``silu_and_mul``; ``kernels.get_ops``). Same
+signatures as ``torch_ref``; anything the C++ ops do not take (non-fp32 activations, a
+3-D norm input, a cache dtype other than the key's, columns that are not unit-stride)
+goes to ``torch_ref``. ``TRIPTYCH_CPU_FUSED_OPS=0`` (env, read when the
 ops are chosen) keeps the torch reference: an A/B switch for benchmarks.
 
 Results: M-RoPE and the cache write equal the reference bit for bit; the norm differs by
-the rounding of its mean (another summation order). Measured in docs/performance.md,
-"Batch 1: the layers' small ops".
+the rounding of its mean (another summation order); silu_and_mul by its exp's rounding
+(a few ulp: tests/test_cpu_fused_ops.py states the bound). Measured in
+docs/performance.md, "Batch 1: the layers' small ops" and "Batch 32 and the layers' small
+ops".
 """
 from __future__ import annotations
 
@@ -81,3 +84,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     torch.ops.triptych_fused.cache_write(key, value, k_cache, v_cache,
                                          slot_mapping.contiguous())
     return None
+
+
+def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """torch_ref.silu_and_mul in one pass over the fused gate|up output (fp32 [T, 2I] with
+    unit-stride columns; rows may be strided; others: the reference)."""
+    if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or \
+            gate_up.device.type != "cpu" or gate_up.stride(-1) != 1 or \
+            gate_up.shape[1] != 2 * inter:  # the reference says what is wrong
+        return torch_ref.silu_and_mul(gate_up, inter)
+    return torch.ops.triptych_fused.silu_and_mul(gate_up, inter)

@@ -1,7 +1,8 @@
 """Plain-torch reference implementations of every kernel in this folder.
 
 These are the CPU runtime and the oracle the Triton kernels are tested against; each
-function here has a Triton twin in the sibling modules with the same signature.
+function here has a Triton twin in the sibling modules with the same signature
+(``silu_and_mul`` excepted: the Triton backend uses this one).
 
 KV cache layout (one tensor pair per layer):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -225,6 +226,18 @@ def rms_norm(
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = (weight.float() * y).to(x.dtype)
     return y if residual is None else (y, residual)
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2 * inter]: gate in [:, :inter], up in [:, inter:]
+    inter: int,
+) -> torch.Tensor:
+    """SwiGLU's activation, silu(gate) * up: [T, inter] (HF's ``act_fn(gate) * up``)."""
+    if gate_up.shape[-1] != 2 * inter:
+        raise ValueError(f"silu_and_mul: gate_up has {gate_up.shape[-1]} columns, "
+                         f"not 2 * inter = {2 * inter}")
+    gate, up = gate_up.split(inter, dim=-1)
+    return F.silu(gate) * up
 
 
 def mrope_plan(positions: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -13,11 +13,13 @@ Qwen3-VL-MoE experts add their outputs, so fp32 results match it closely.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triptych.kernels import torch_ref
 from triptych.models.parallel_layers import Shard
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
@@ -36,10 +38,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, weights: torch.Tensor,
+                  silu_and_mul: Callable[[torch.Tensor, int], torch.Tensor]
+                  = torch_ref.silu_and_mul) -> torch.Tensor:
     """[T, H] -> [T, H]: every token through its k experts, weighted and summed.
 
-    gate_up: [E, 2 * I, H] (gate rows then up rows), down: [E, H, I]."""
+    gate_up: [E, 2 * I, H] (gate rows then up rows), down: [E, H, I]; ``silu_and_mul``:
+    the backend's activation (``ops.silu_and_mul``, signature of torch_ref's)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
@@ -54,7 +59,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             continue
         seg = xs[start:start + n]
         gu = F.linear(seg, gate_up[e])
-        out[start:start + n] = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[e])
+        out[start:start + n] = F.linear(silu_and_mul(gu, inter), down[e])
         start += n
     out = out * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
@@ -62,11 +67,13 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 class SparseMoeBlock(nn.Module):
     """Parameter names as HF's checkpoints: ``gate.weight`` [E, H] and the stacked
-    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]."""
+    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]. ``ops``: the
+    kernel backend (``kernels.get_ops``), whose ``silu_and_mul`` the experts use."""
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
+                 ops: Any) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.ops = top_k, ops
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = nn.Module()
@@ -75,7 +82,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.top_k)
-        return fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        return fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+                             self.ops.silu_and_mul)
 
 
 class ShardedMoeBlock(SparseMoeBlock):
@@ -83,9 +91,9 @@ class ShardedMoeBlock(SparseMoeBlock):
     and down columns (row-parallel), so each rank's partial outputs sum to the whole in
     one all-reduce. The router is whole on every rank (every rank routes alike)."""
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, ops: Any,
                  ctx: TPContext) -> None:
-        super().__init__(hidden, inter // ctx.size, num_experts, top_k)
+        super().__init__(hidden, inter // ctx.size, num_experts, top_k, ops)
         self.ctx, self.full_inter = ctx, inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

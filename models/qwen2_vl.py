@@ -96,18 +96,19 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    """SwiGLU with gate and up fused into one [2 * inter, hidden] projection."""
+    """SwiGLU with gate and up fused into one [2 * inter, hidden] projection; the
+    activation silu(gate) * up is ``ops.silu_and_mul`` (one fused op on the CPU)."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, ops: Any) -> None:
         super().__init__()
-        self.inter = inter
+        self.inter, self.ops = inter, ops
         self.gate_up_proj = FusedLinear.single(
             hidden, [("gate_proj", inter), ("up_proj", inter)], bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # x: [T, hidden] -> gate|up [T, 2 * inter] -> [T, inter] -> [T, hidden]
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x), self.inter))
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +127,7 @@ class Qwen2DecoderLayer(nn.Module):
     def __init__(self, text: Any, layer_idx: int, ops: Any) -> None:
         super().__init__()
         self.self_attn = Qwen2Attention(text, layer_idx, ops)
-        self.mlp = Qwen2MLP(text.hidden_size, text.intermediate_size)
+        self.mlp = Qwen2MLP(text.hidden_size, text.intermediate_size, ops)
         self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
 

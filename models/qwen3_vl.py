@@ -93,10 +93,10 @@ class Qwen3DecoderLayer(nn.Module):
     def __init__(self, text: Any, layer_idx: int, head_dim: int, ops: Any) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(text, layer_idx, head_dim, ops)
-        self.mlp: nn.Module = Qwen2MLP(text.hidden_size, text.intermediate_size)
+        self.mlp: nn.Module = Qwen2MLP(text.hidden_size, text.intermediate_size, ops)
         if is_sparse_layer(text, layer_idx):
             self.mlp = SparseMoeBlock(text.hidden_size, text.moe_intermediate_size,
-                                      text.num_experts, text.num_experts_per_tok)
+                                      text.num_experts, text.num_experts_per_tok, ops)
         self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps, ops)
 

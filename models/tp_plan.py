@@ -126,7 +126,8 @@ def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
                 from triptych.models.fused_moe import ShardedMoeBlock
 
                 layer.mlp = ShardedMoeBlock(text.hidden_size, text.moe_intermediate_size,
-                                            text.num_experts, text.num_experts_per_tok, ctx)
+                                            text.num_experts, text.num_experts_per_tok,
+                                            mlp.ops, ctx)
                 continue
             mlp.gate_up_proj = FusedLinear(text.hidden_size, [
                 rank_part("gate_proj", mlp.inter, ctx), rank_part("up_proj", mlp.inter, ctx)],

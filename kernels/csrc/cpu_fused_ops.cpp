@@ -9,14 +9,21 @@
 //       q / k may be strided views of the fused qkv output; outputs contiguous.
 //   cache_write(key [T, Hkv, D], value, k_cache [N, bs, Hkv, D], v_cache, slots [T] int64)
 //       rows with slot >= 0 copied into the caches (slot -1: padding, skipped), in place.
+//   silu_and_mul(gate_up [T, 2I], I) -> [T, I]
+//       SwiGLU's activation silu(gate) * up, gate = columns [0, I), up = [I, 2I) (Qwen2MLP's
+//       split of its fused projection), fp32, rows may be strided (unit-stride columns).
 //
 // Why: at batch 1 the layer's small ops are ~20 torch calls per layer (add + norm twice,
 // roll / mul / mul / add for q and k, two index_copy_) of a few KB each, where the call
-// overhead is the cost (docs/performance.md, "Batch 1: the layers' small ops").
+// overhead is the cost (docs/performance.md, "Batch 1: the layers' small ops"). At batch 32
+// the MLP's silu and mul were two passes over [32, 2 x 1376] fp32 per layer plus a
+// temporary ("Batch 32 and the layers' small ops"): one pass here.
 //
 // Rounding: mrope computes each product and the sum as separate fp32 roundings (no FMA
 // contraction), so it equals the torch reference (and HF) bit for bit; add_rms_norm sums
-// the squares in another order than torch (float rounding of the mean only).
+// the squares in another order than torch (float rounding of the mean only); silu_and_mul
+// computes x / (1 + exp(-x)) and then the product as torch does, with its own exp (within
+// ~1 ulp of torch's, so results differ by a few ulp at most: tests/test_cpu_fused_ops.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,7 +34,16 @@
 #include <cstring>
 #include <tuple>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TRIPTYCH_FUSED_AVX512 1
+#endif
+
 namespace {
+
+// Rows per thread: one thread unless the op has >= 64K elements to write (waking an idle
+// OpenMP thread costs ~50-100 us on a busy box, more than a small op's whole run).
+int64_t row_grain(int64_t T, int64_t per_row) { return T * per_row < (1 << 16) ? T : 1; }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const c10::optional<at::Tensor>& residual,
@@ -53,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
   float* sp = rp ? sum.data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0);
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, T * C < (1 << 16) ? T : 1, [&](int64_t b, int64_t end) {
+  at::parallel_for(0, T, row_grain(T, C), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       const float* src = xp + t * xs;
       if (sp) {
@@ -149,6 +165,71 @@ void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
   }
 }
 
+#ifdef TRIPTYCH_FUSED_AVX512
+// e^x of 16 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a short high part, so
+// n * ln2_hi is exact, and the rest), e^r by its Taylor series to r^7 (truncation below
+// 2^-25 relative), then times 2^n with scalef (overflow to inf, underflow through the
+// subnormals to 0). Clamping keeps n finite for +-inf; NaN passes through (max / min
+// return their second operand when one is NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-110.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u, rounded as torch's two ops: s = g / (1 + e^-g), then s * u
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+#endif
+
+void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  int64_t c = 0;
+#ifdef TRIPTYCH_FUSED_AVX512
+  for (; c + 16 <= n; c += 16)
+    _mm512_storeu_ps(out + c, silu_mul16(_mm512_loadu_ps(g + c), _mm512_loadu_ps(u + c)));
+  if (c < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - c)) - 1);
+    _mm512_mask_storeu_ps(out + c, m, silu_mul16(_mm512_maskz_loadu_ps(m, g + c),
+                                                 _mm512_maskz_loadu_ps(m, u + c)));
+  }
+#else
+  for (; c < n; ++c) {
+    const float s = g[c] / (1.f + std::exp(-g[c]));
+    out[c] = s * u[c];
+  }
+#endif
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up, int64_t inter) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.stride(1) == 1, "silu_and_mul: gate_up must be [T, 2 * inter] "
+                  "float32 with unit-stride rows");
+  TORCH_CHECK(inter > 0 && gate_up.size(1) == 2 * inter, "silu_and_mul: gate_up has ",
+              gate_up.size(1), " columns, not 2 * inter = ", 2 * inter);
+  const int64_t T = gate_up.size(0), rs = gate_up.stride(0);
+  at::Tensor out = at::empty({T, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(T, inter), [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t)
+      silu_mul_row(gp + t * rs, gp + t * rs + inter, op + t * inter, inter);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triptych_fused, m) {
@@ -156,10 +237,12 @@ TORCH_LIBRARY(triptych_fused, m) {
   m.def("mrope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> ()");
+  m.def("silu_and_mul(Tensor gate_up, int inter) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triptych_fused, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("mrope", &mrope);
   m.impl("cache_write", &cache_write);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
