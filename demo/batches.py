@@ -1,0 +1,123 @@
+"""The demo model's training data, batch by batch (demo/train.py): samples rendered on the
+fly (demo/render.py), turned into model inputs through the checkpoint's own tokenizer,
+chat template and image processor, and made one step ahead on a thread."""
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Any
+
+from triptych.demo import render
+
+# Whole phrases the tokenizer keeps as one token each (added tokens): the prompts an OCR job
+# sends (jobs/ocr.py's default first) and the template's role names. Every other text is
+# one token per character; these would cost ~60 tokens per sample in training otherwise.
+PHRASES = ["Transcribe all the text on this page, in reading order.", "Transcribe the text.",
+           "What is written here?", "Read the text in this image.", "What does it say?",
+           "user\n", "assistant\n", "system\n"]
+PROMPTS = [PHRASES[0]] * 6 + PHRASES[1:5] + ["", "ocr", "Read this:"]
+class Batcher:
+    """Samples -> model inputs, through the checkpoint's own tokenizer, template and processor."""
+
+    def __init__(self, ckpt: str) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+        self.proc = AutoImageProcessor.from_pretrained(ckpt, local_files_only=True, backend="pil")
+        self.pad = self.tok.convert_tokens_to_ids("<|endoftext|>")
+        self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.proc_image_id = self.tok.convert_tokens_to_ids("<|image_pad|>")
+
+    def prompt_ids(self, grid: Any, prompt: str, text_first: bool = False) -> list[int]:
+        content = [{"type": "image"}, {"type": "text", "text": prompt}]
+        msgs = [{"role": "user", "content": content[::-1] if text_first else content}]
+        s = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        n = int(grid.prod()) // 4
+        return self.tok.encode(s.replace("<|image_pad|>", "<|image_pad|>" * n),
+                               add_special_tokens=False)
+
+    def __call__(self, samples: list[tuple[Any, str]], rng: random.Random) -> dict[str, Any]:
+        import torch
+
+        enc = self.proc(images=[im for im, _ in samples], return_tensors="pt")
+        rows, labels = [], []
+        for (_, text), grid in zip(samples, enc["image_grid_thw"]):
+            p = self.prompt_ids(grid, rng.choice(PROMPTS), rng.random() < 0.1)
+            t = self.tok.encode(text, add_special_tokens=False) + [self.eos]
+            rows.append(p + t)
+            labels.append([-100] * len(p) + t)
+        n = max(map(len, rows))
+        ids = torch.full((len(rows), n), self.pad)
+        lab = torch.full((len(rows), n), -100)
+        mask = torch.zeros((len(rows), n), dtype=torch.long)
+        for i, (r, lb) in enumerate(zip(rows, labels)):
+            ids[i, :len(r)], lab[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), torch.tensor(lb), 1
+        types = (ids == self.proc_image_id).long()
+        return dict(input_ids=ids, attention_mask=mask, labels=lab, mm_token_type_ids=types,
+                    pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+
+
+def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool = False
+           ) -> tuple[Any, str, list[list[list[int]]]]:
+    """Curriculum: lines grow from 1 to 32 characters over the first ``--ramp`` of the run
+    (a line of one or two characters teaches the glyphs before alignment matters); short
+    pages (2-3 lines on a 280-336 px wide canvas, ``page``) join after ``--pages-from`` of
+    the run. ``--random-share`` of the lines are random characters.
+    Returns (image, transcription, the characters each merged vision token shows)."""
+    cols: list[list[list[int]]] = []
+    if page:
+        img, text = render.sample_page(rng, n_lines=rng.randint(2, 3),
+                                       max_chars=rng.randint(8, 24),
+                                       width=rng.choice([280, 308, 336]),
+                                       default_only=args.default_font_only, columns=cols)
+        return img, text, cols
+    max_chars = int(1 + 31 * min(1.0, frac / args.ramp)) if args.ramp > 0 else 32
+    img, text = render.sample_line(rng, rng.randint(max(1, max_chars // 3), max_chars),
+                                   default_only=args.default_font_only,
+                                   random_share=args.random_share, columns=cols)
+    return img, text, cols
+
+
+def make_batch(step: int, args: argparse.Namespace, batcher: Batcher, teacher: Any,
+               rng: random.Random) -> tuple[list[Any], dict[str, Any], Any]:
+    """Step ``step``'s samples, model inputs and glyph targets. Pages come in batches of
+    their own (an eighth of --batch), so that lines are not padded to a page's length:
+    every --page-every-th step once pages have joined."""
+    frac = step / args.steps
+    page = frac >= args.pages_from and step % args.page_every == 0
+    samples = [sample(rng, frac, args, page)
+               for _ in range(max(1, args.batch // 8) if page else args.batch)]
+    batch = batcher([(img, text) for img, text, _ in samples], rng)
+    return samples, batch, teacher.targets(samples)
+
+
+def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
+             rng: random.Random) -> Any:
+    """The batches, made one step ahead on a thread of this process (rendering and the image
+    processor mostly run outside the GIL, beside the forward and backward). One thread
+    draws every sample from ``rng`` in step order, so the data are those of a loop without
+    it."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=2)
+    done = threading.Event()
+
+    def produce() -> None:
+        for step in range(min(args.steps, args.max_steps or args.steps)):
+            item = make_batch(step, args, batcher, teacher, rng)
+            while not done.is_set():
+                try:
+                    q.put(item, timeout=1.0)
+                    break
+                except queue.Full:
+                    continue
+            if done.is_set():
+                return
+
+    threading.Thread(target=produce, name="batches", daemon=True).start()
+    try:
+        while True:
+            yield q.get(timeout=600)
+    finally:
+        done.set()
