@@ -254,9 +254,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 # defaults. Phase 1 is the first half of a 6,000-step cosine schedule (lines only, growing);
 # phases 2 and 3 start from the previous phase's weights and mix in pages.
 RECIPE: list[dict[str, Any]] = [
-    dict(steps=6000, max_steps=2800),
-    dict(steps=2500, lr=1e-3, ramp=0.0, pages_from=0.0),
-    dict(steps=3000, lr=7e-4, ramp=0.0, pages_from=0.0, page_every=2, random_share=0.3, seed=1),
+    dict(steps=6000, max_steps=3000),
+    dict(steps=3000, lr=1e-3, ramp=0.0, pages_from=0.0),
+    dict(steps=3500, lr=7e-4, ramp=0.0, pages_from=0.0, page_every=3, random_share=0.3, seed=1),
 ]
 
 
