@@ -58,10 +58,15 @@ logger = logging.getLogger("triptych.cpu_linear")
 FORMATS = ("float32", "bfloat16", "float16", "int8")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 PACK_HINT_ROWS = 32  # oneDNN picks the blocked layout for about this many rows (any M works)
-MIN_FLOPS_PASSIVE = 24e6  # ~130 us of one core's GEMM: worth a ~100 us thread wake-up
+# One more thread per this much work: ~90 us of one core's GEMM, about twice what waking a
+# sleeping thread and joining it cost on a quiet host (~30-50 us per call, measured per
+# layer shape at 1 / 8 / 32 rows: docs/performance.md, "The thread rule, measured quiet").
+# It was 24e6 (and 8 MiB below), set on a host loaded by other jobs, where a second
+# thread often waited for a descheduled peer; there, raise them
+# (TRIPTYCH_CPU_GEMM_MIN_FLOPS / TRIPTYCH_CPU_GEMM_MIN_BYTES).
+MIN_FLOPS_PASSIVE = 8e6
 MIN_FLOPS_SPINNING = 2e6
-MIN_BYTES_PASSIVE = 8 << 20  # weight bytes one more thread must read to pay its wake-up (and a
-# straggler on a shared host: docs/performance.md)
+MIN_BYTES_PASSIVE = 2 << 20  # weight bytes one more thread must read to pay its wake-up
 MIN_BYTES_SPINNING = 1 << 20
 # Calls of at most this many rows go to the GEMV kernel (kernels/cpu_gemv.py) on a
 # row-major copy of the weight. End to end (bench LM, CPU time per token): fp32 b1 0.55x,
