@@ -73,6 +73,9 @@ MIN_BYTES_SPINNING = 1 << 20
 # b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 (VNNI) b1 0.81x, b2 0.81x; fp16 b1 1.05x, so
 # fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
 # libraries won for bf16 / int8 (docs/performance.md, "Where the batch-1 step's time goes").
+# fp32 where the panel GEMM runs (AVX-512) takes the panels at every row count instead: on
+# a quiet host a batch-1 fp32 decode was 1.14-1.19x llama.cpp with the panels and
+# 0.90-0.97x with the GEMV (same runs; docs/performance.md, "Issue 22, third round").
 GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
 # Formats whose calls above the GEMV's rows go to the panel GEMM (kernels/cpu_panel_gemm.py)
 PANEL_FORMATS = ("float32",)
@@ -186,6 +189,8 @@ class CpuGemm:
         weight stays alive beside the packed one); bf16: a cast copy; int8: the same
         per-row symmetric quantization as fbgemm's pack, with its scales; fp16: none."""
         self.gemv_max_rows = GEMV_MAX_ROWS[fmt] if cpu_gemv.enabled() else 0
+        if self.panels is not None:  # the panels stream as fast at 1-2 rows, with no hsums
+            self.gemv_max_rows = 0
         self.gemv_w: torch.Tensor | None = None
         self.gemv_scale: torch.Tensor | None = None
         self.gemv_wsum: torch.Tensor | None = None  # int8: row sums (cpu_gemv.row_sums)

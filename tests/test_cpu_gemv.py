@@ -19,7 +19,9 @@ TOLERANCE = {"float32": 1e-6, "bfloat16": 5e-3, "float16": 1e-3, "int8": 1.5e-2}
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if GEMV_MAX_ROWS[f]])
-def test_gemv_rows_match_the_reference_in_every_format(fmt):
+def test_gemv_rows_match_the_reference_in_every_format(fmt, monkeypatch):
+    # fp32 takes the GEMV only where the panel GEMM does not run (no AVX-512, or switched off)
+    monkeypatch.setenv("TRIPTYCH_CPU_PANEL_GEMM", "0")
     g = torch.Generator().manual_seed(0)
     for k, n, bias in [(40, 96, True), (7, 33, False), (512, 1024, True), (1376, 200, False)]:
         w = torch.randn(n, k, generator=g)
@@ -38,6 +40,16 @@ def test_gemv_rows_match_the_reference_in_every_format(fmt):
         assert gemm.gemv_bytes == 0 and gemm.gemv_w.data_ptr() == w.data_ptr()
     else:
         assert gemm.gemv_bytes == gemm.weight_bytes
+
+
+def test_fp32_takes_the_panels_at_one_row_where_they_run():
+    w = torch.randn(96, 40)
+    gemm = CpuGemm(w, None, "float32")
+    if gemm.panels is None:
+        pytest.skip("no AVX-512 panel GEMM on this CPU")
+    assert gemm.gemv_max_rows == 0 and gemm.gemv_w is None
+    x = torch.randn(1, 40)
+    torch.testing.assert_close(gemm(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_fp16_stays_on_fbgemm_without_a_copy():
