@@ -187,7 +187,8 @@ def triptych_child(cfg: dict[str, Any]) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
     prompts = {b: [list(p) for p in batched_bench_prompts(
         b, cfg["prompt_len"], cfg["vocab"])] for b in cfg["batch_sizes"]}
-    llm.generate(prompts[1][:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    warm = prompts[min(prompts)][:1]  # one short request: loads and packs what a step needs
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         b = int(line)
