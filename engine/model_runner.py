@@ -52,7 +52,20 @@ class StepTimes:
         self.steps += 1
 
 
+class GreedyIds:
+    """run_model's answer when the LM head gave the step's greedy tokens directly (no
+    logits: ``greedy_tokens`` of the model, a CPU fp32 head)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+
 class ModelRunner:
+    # Plain-greedy steps may take their tokens from the model's ``greedy_tokens`` (the head's
+    # argmax, no logits). A tensor-parallel runner gathers vocab slices of the logits, so
+    # it turns this off.
+    greedy_head = True
+
     def __init__(self, model: Any, encoder: EncoderRunner, *, num_blocks: int, block_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, ops: SimpleNamespace, seed: int = 0) -> None:
@@ -65,6 +78,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.batch = InputBatch(block_size)
         self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
+        self.greedy_step = False  # this step's rows all plain greedy (execute sets it)
 
     def positions_for(self, req: Request, start: int, end: int) -> torch.Tensor:
         """[3, end-start] M-RoPE positions; tokens past the prompt are text (index + delta)."""
@@ -160,6 +174,11 @@ class ModelRunner:
         # prompt_logprobs rows come after the sampled ones, so a count check is not enough.
         if len(idx) != hidden.shape[0] or not np.array_equal(idx, np.arange(len(idx))):
             hidden = hidden[torch.from_numpy(idx).to(dev)]
+        greedy = getattr(self.model, "greedy_tokens", None) if self.greedy_step else None
+        ids = greedy(hidden) if greedy is not None else None
+        if ids is not None:  # the head's argmax without the [S, vocab] logits
+            marks.append(time.perf_counter())
+            return GreedyIds(ids)  # type: ignore[return-value]
         logits = self.model.compute_logits(hidden)
         marks.append(time.perf_counter())
         return logits
@@ -172,8 +191,16 @@ class ModelRunner:
         num_scheduled = self._sync(out)
         inp = self.batch.prepare(num_scheduled)
         marks.append(time.perf_counter())
+        self.greedy_step = self.greedy_head and self._plain_greedy(inp)
         logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks)
         result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
+        if isinstance(logits, GreedyIds):
+            rows = inp.sample_rows.tolist()
+            rids = [self.batch.reqs[r].request_id for r in rows]
+            ids = logits.ids.tolist()
+            for row, tok in zip(rows, ids):
+                self.batch.append_token(row, tok)
+            result, logits = (dict(zip(rids, ids)), dict.fromkeys(rids)), None
         if logits is not None and inp.prompt_rows:
             self._prompt_logprobs(inp, logits[len(inp.sample_rows):])
             logits = logits[:len(inp.sample_rows)]
@@ -194,6 +221,19 @@ class ModelRunner:
         marks.append(time.perf_counter())
         self.times.add(marks)
         return result
+
+    def _plain_greedy(self, inp: StepInputs) -> bool:
+        """Every sampled row is greedy with nothing that reads its logits (no logprobs,
+        logit_bias, penalties, grammar; no prompt_logprobs rows): the sampler would only
+        take each row's argmax, which the head can give without the logits."""
+        if not len(inp.sample_rows) or inp.prompt_rows or self.batch.grammars or \
+                self.batch.penalties:
+            return False
+        for r in inp.sample_rows.tolist():
+            sp = self.batch.reqs[r].sampling_params
+            if not sp.greedy or sp.logprobs is not None or sp.logit_bias:
+                return False
+        return True
 
     def _prompt_logprobs(self, inp: StepInputs, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's logits predict (prompt_logprobs)."""

@@ -239,6 +239,17 @@ class CpuGemm:
         finally:
             torch.set_num_threads(most)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The index of each row's largest output, [rows] int64, as ``self(x).argmax(-1)``,
+        without making the output (fp32 panels: the LM head's greedy tokens); None where
+        this weight has no panels."""
+        if self.panels is None or x.dtype != torch.float32:
+            return None
+        rows = x.numel() // max(1, self.in_features)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        return cpu_panel_gemm.gemm_argmax(x2, self.panels, self.out_features, self.panel_bias,
+                                          self.threads(rows, torch.get_num_threads()))
+
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] fp32 -> [..., N] fp32
         if not x.is_contiguous():

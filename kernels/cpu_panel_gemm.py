@@ -65,6 +65,15 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | Non
     return torch.ops.triptych_panel.gemm(x, panels, n, bias, grain)
 
 
+def gemm_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                threads: int) -> torch.Tensor:
+    """argmax(gemm(x, panels, n, bias), -1) as [M] int64 without making the [M, n] logits
+    (fp32 panels): greedy tokens straight from the LM head."""
+    groups = -(-panels.shape[0] // 3)
+    grain = max(1, -(-groups // max(1, threads)))
+    return torch.ops.triptych_panel.gemm_argmax(x, panels, n, bias, grain)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[M, V] fp32 -> [M] int64, torch.argmax's result (first maximum; NaN wins)."""
     m = logits.shape[0]

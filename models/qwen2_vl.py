@@ -264,6 +264,16 @@ class Qwen2VLForCausalLM(nn.Module):
             return self._head_gemm(hidden)
         return F.linear(hidden, w).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax of ``compute_logits(hidden)`` per row, [N] int64, without making the
+        logits, where the packed head can (CPU fp32 panels); else None (the runner then
+        asks for the logits)."""
+        if not (self.pack_head and hidden.device.type == "cpu"):
+            return None
+        if self._head_gemm is None:
+            self.compute_logits(hidden[:1])  # packs the head once
+        return self._head_gemm.argmax(hidden)
+
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                       ) -> list[torch.Tensor]:
         """Encoder payloads, one [t*h*w / merge**2, payload width] tensor per item."""

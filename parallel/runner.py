@@ -48,6 +48,8 @@ def step_arrays(inp: StepInputs) -> list[Any]:
 class TPModelRunner(ModelRunner):
     """ModelRunner of rank 0: the same bookkeeping, the model run by the whole group."""
 
+    greedy_head = False  # each rank holds a vocab slice of the head: logits are gathered
+
     def __init__(self, group: TPGroup, *args: Any, num_kv_heads_total: int, **kwargs: Any
                  ) -> None:
         super().__init__(*args, **kwargs)

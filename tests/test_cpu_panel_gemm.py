@@ -70,3 +70,33 @@ def test_argmax_equals_torch_with_ties_and_nan():
         assert torch.equal(cpu_panel_gemm.argmax(logits), logits.argmax(-1)), (m, v)
     logits = torch.randn(4, 1000, generator=g)
     assert torch.equal(Sampler._argmax(logits), logits.argmax(-1))
+
+
+def test_gemm_argmax_equals_the_argmax_of_the_gemm():
+    """The LM head's greedy tokens without its logits (engine: plain-greedy CPU steps) equal
+    argmax(gemm) for every split over threads, with a bias, ties, a NaN and -inf rows."""
+    if not cpu_panel_gemm.supported("float32"):
+        pytest.skip("no AVX-512 here")
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in [(1, 64, 1000), (3, 40, 97), (9, 33, 5), (32, 512, 20000)]:
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), \
+            torch.randn(m, k, generator=g)
+        panels = cpu_panel_gemm.pack(w)
+        for bias in (None, b):
+            ref = cpu_panel_gemm.gemm(x, panels, n, bias, 1).argmax(-1)
+            for threads in (1, 2, 3):
+                got = cpu_panel_gemm.gemm_argmax(x, panels, n, bias, threads)
+                assert torch.equal(got, ref), (m, k, n, threads)
+    w = torch.zeros(200, 8)
+    w[30] = w[150] = 1.0  # a tie across two chunks of columns: the first wins
+    x = torch.ones(3, 8)
+    x[2] = float("-inf")  # every output -inf (or NaN): torch's first index / NaN rules
+    panels = cpu_panel_gemm.pack(w)
+    assert torch.equal(cpu_panel_gemm.gemm_argmax(x, panels, 200, None, 3), (x @ w.T).argmax(-1))
+    w[170, 0] = float("nan")
+    panels = cpu_panel_gemm.pack(w)
+    assert torch.equal(cpu_panel_gemm.gemm_argmax(x[:2], panels, 200, None, 3),
+                       (x[:2] @ w.T).argmax(-1))
+    gemm = CpuGemm(torch.randn(500, 64, generator=g), None, "float32")
+    h = torch.randn(4, 64, generator=g)
+    assert torch.equal(gemm.argmax(h), gemm(h).argmax(-1))

@@ -48,7 +48,7 @@ constexpr int NP = 3;       // panels per register tile
 // One register tile: rows [0, mr) of x (stride K) against np panels (fp32, K-major).
 template <int mr, int np>
 inline void tile_f32(const float* x, int64_t K, const float* wp, int64_t pstride, float* y,
-                     int64_t N, int64_t n0, const float* bias) {
+                     int64_t N, int64_t n0, const float* bias, int64_t ld) {
   __m512 acc[mr][np];
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < np; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -65,7 +65,7 @@ inline void tile_f32(const float* x, int64_t K, const float* wp, int64_t pstride
     const int64_t left = N - c;
     const __mmask16 m = left >= NR ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + c) : _mm512_setzero_ps();
-    for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(y + i * N + c, m, _mm512_add_ps(acc[i][j], b));
+    for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(y + i * ld + c, m, _mm512_add_ps(acc[i][j], b));
   }
 }
 #endif
@@ -183,9 +183,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, int64_t N,
         const float* w = wp + p0 * ps;
         rows(M, [&](auto mr, int64_t m) {
           constexpr int R = decltype(mr)::value;
-          if (np == 3) tile_f32<R, 3>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp);
-          else if (np == 2) tile_f32<R, 2>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp);
-          else tile_f32<R, 1>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp);
+          if (np == 3) tile_f32<R, 3>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp, N);
+          else if (np == 2) tile_f32<R, 2>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp, N);
+          else tile_f32<R, 1>(xp + m * K, K, w, ps, yp + m * N, N, p0 * NR, bp, N);
         });
       }
     });
@@ -224,6 +224,96 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, int64_t N,
 }
 
 // First index of the row's largest value; NaN wins (torch.argmax's rule).
+// Greedy tokens of x @ W^T (+ bias) without the [M, N] logits: each chunk of panel groups
+// computes its 48-column tiles into a small buffer (L1/L2) and keeps, per row, the first
+// column holding the largest value (NaN wins, as torch.argmax); the chunks, taken in
+// column order, are merged the same way. Equal to argmax(gemm(...)) (same tile sums).
+at::Tensor gemm_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                       const c10::optional<at::Tensor>& bias, int64_t grain) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gemm_argmax: x must be a contiguous [M, K] float32 tensor");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kFloat,
+              "gemm_argmax: fp32 panels from pack()");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(P == (N + NR - 1) / NR && panels.size(1) == K && N > 0,
+              "gemm_argmax: panels do not hold ", N, " columns of x's K");
+  TORCH_CHECK(supported(32), "gemm_argmax: fp32 panels need AVX-512");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N, "gemm_argmax: bias must be [N] float32");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return out;
+  const int64_t groups = (P + NP - 1) / NP;
+  grain = std::max<int64_t>(1, grain);
+  const int64_t chunks = (groups + grain - 1) / grain;
+  std::vector<float> best_v(chunks * M);
+  std::vector<int64_t> best_i(chunks * M);
+#ifdef TRIPTYCH_PANEL_AVX512
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const int64_t ps = K * NR, W = NP * NR;
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<float> buf(M * W);
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      float* bv = best_v.data() + ch * M;
+      int64_t* bi = best_i.data() + ch * M;
+      std::fill(bi, bi + M, int64_t{-1});
+      const int64_t g1 = std::min(groups, (ch + 1) * grain);
+      for (int64_t g = ch * grain; g < g1; ++g) {
+        const int64_t p0 = g * NP, np = std::min<int64_t>(NP, P - p0), n0 = p0 * NR;
+        const float* w = wp + p0 * ps;
+        float* y = buf.data() - n0;  // tile_f32 writes y + i * ld + column
+        rows(M, [&](auto mr, int64_t m) {
+          constexpr int R = decltype(mr)::value;
+          if (np == 3) tile_f32<R, 3>(xp + m * K, K, w, ps, y + m * W, N, n0, bp, W);
+          else if (np == 2) tile_f32<R, 2>(xp + m * K, K, w, ps, y + m * W, N, n0, bp, W);
+          else tile_f32<R, 1>(xp + m * K, K, w, ps, y + m * W, N, n0, bp, W);
+        });
+        const int64_t cols = std::min<int64_t>(np * NR, N - n0);
+        for (int64_t i = 0; i < M; ++i) {
+          const float* r = buf.data() + i * W;
+          float v = bv[i];
+          int64_t at = bi[i];
+          if (at >= 0 && std::isnan(v)) continue;  // a NaN already won this row
+          // vector max over the tile's columns; the scalar scan runs only when this tile
+          // holds a NaN or beats the row's best so far (rare once a row has a good one)
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          bool nan = false;
+          for (int64_t c = 0; c < cols; c += NR) {
+            const int64_t left = cols - c;
+            const __mmask16 mk = left >= NR ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+            const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, r + c);
+            nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+            mx = _mm512_max_ps(mx, a);
+          }
+          if (!nan && at >= 0 && !(_mm512_reduce_max_ps(mx) > v)) continue;
+          for (int64_t c = 0; c < cols; ++c) {
+            if (std::isnan(r[c])) { v = r[c]; at = n0 + c; break; }
+            if (at < 0 || r[c] > v) { v = r[c]; at = n0 + c; }
+          }
+          bv[i] = v;
+          bi[i] = at;
+        }
+      }
+    }
+  });
+#endif
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    float v = best_v[i];
+    int64_t at = best_i[i];
+    for (int64_t ch = 1; ch < chunks && !std::isnan(v); ++ch) {
+      const float cv = best_v[ch * M + i];
+      if (std::isnan(cv) || cv > v) { v = cv; at = best_i[ch * M + i]; }
+    }
+    op[i] = at;
+  }
+  return out;
+}
+
 int64_t row_argmax(const float* r, int64_t V) {
   int64_t best = 0;
   float bv = r[0];
@@ -276,10 +366,12 @@ TORCH_LIBRARY(triptych_panel, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("gemm(Tensor x, Tensor panels, int n, Tensor? bias, int grain) -> Tensor");
   m.def("argmax(Tensor logits, int grain) -> Tensor");
+  m.def("gemm_argmax(Tensor x, Tensor panels, int n, Tensor? bias, int grain) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triptych_panel, CPU, m) {
   m.impl("pack", &pack);
   m.impl("gemm", &gemm);
   m.impl("argmax", &argmax);
+  m.impl("gemm_argmax", &gemm_argmax);
 }
