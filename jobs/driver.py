@@ -9,12 +9,51 @@ one slow item at the head does not idle the others.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class CtrlC:
+    """Ctrl-C for a job's event loop that no awaited call can swallow. ``asyncio.run`` turns
+    SIGINT into one cancellation of the main task, and that cancellation is lost when it
+    reaches a call that answers anyway (the in-process app turns a cancelled request into
+    a response): the job then runs to its end and exits 0. Here the signal is remembered:
+    ``check()`` (between results) and the end of the block raise KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> "CtrlC":
+        loop, main = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_sigint() -> None:
+            self.hit = True
+            if main is not None:
+                main.cancel()
+
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+            self._loop = loop
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            self._loop = None
+        return self
+
+    async def __aexit__(self, et: Any, e: Any, tb: Any) -> bool:
+        if self._loop is not None:
+            self._loop.remove_signal_handler(signal.SIGINT)
+        if self.hit and (et is None or issubclass(et, asyncio.CancelledError)):
+            raise KeyboardInterrupt
+        return False
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
 
 
 async def ordered_map(items: AsyncIterable[T], fn: Callable[[T], Awaitable[R]],

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 from triptych.jobs.backend import Backend, add_backend_args, open_backend
-from triptych.jobs.driver import ordered_map
+from triptych.jobs.driver import CtrlC, ordered_map
 from triptych.jobs.ocr_output import EXTENSIONS, DocWriter, PageResult, finished
 from triptych.jobs.ocr_sources import Document, PageJob, discover, pages
 from triptych.jobs.pdf import Rasterizer
@@ -164,10 +164,11 @@ async def run_ocr(args: argparse.Namespace, docs: list[Document], prompt: str
         summary[doc] = entry
 
     try:
-        async with open_backend(args, args.max_concurrency) as backend:
+        async with CtrlC() as ctrl_c, open_backend(args, args.max_concurrency) as backend:
             stream = pages(todo, raster, args.dpi, args.target_longest_dim,
                            lambda d: progress.add_total(d.total or 0))
             async for job, result in ordered_map(stream, one, args.max_concurrency):
+                ctrl_c.check()
                 doc = job.doc
                 if job.number == 0:  # the document could not be read
                     close_doc(doc)

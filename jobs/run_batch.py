@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import httpx
 from triptych.jobs.backend import Backend, add_backend_args, open_backend
-from triptych.jobs.driver import ordered_map
+from triptych.jobs.driver import CtrlC, ordered_map
 from triptych.jobs.ledger import Ledger, key_of, recover
 from triptych.jobs.progress import Progress
 
@@ -192,13 +192,14 @@ async def run_batch(args: argparse.Namespace, src: IO[str], out: IO[str], ledger
         return result
 
     try:
-        async with open_backend(args, args.max_concurrency) as backend:
+        async with CtrlC() as ctrl_c, open_backend(args, args.max_concurrency) as backend:
             async for _, result in ordered_map(lines(), one, args.max_concurrency):
                 # One write per line, flushed: a kill leaves whole lines (and maybe a cut
                 # last one, which --resume removes).
                 out.write(json.dumps(result, ensure_ascii=False) + "\n")
                 out.flush()
                 counts["errors" if result["error"] else "ok"] += 1
+                ctrl_c.check()
     finally:
         progress.close()
     return counts
