@@ -7,6 +7,7 @@ import http.server
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -265,6 +266,13 @@ class Chat:
     def finish(self) -> tuple[int, str]:
         try:
             code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a hang guard: say where the chat is stuck
+            stacks = subprocess.run(["py-spy", "dump", "--pid", str(self.proc.pid)],
+                                    capture_output=True, text=True, timeout=60).stdout \
+                if shutil.which("py-spy") else "(no py-spy here)"
+            self.proc.kill()
+            raise AssertionError(f"the chat did not end: {self.out[-1500:]!r}\n{stacks}"
+                                 f"\nstderr: {self.proc.stderr.read()[-3000:]}") from None
         finally:
             self.proc.kill()
         return code, self.proc.stderr.read()
