@@ -66,6 +66,10 @@ def _converse(llm: Any, sp: Any) -> int:
     # From here on only answers and errors reach the terminal: log lines (engine stats,
     # warnings from libraries) would interleave with them.
     logging.getLogger().setLevel(logging.ERROR)
+    # Ctrl-C is how a chat stops an answer and quits at the prompt, even when we were
+    # started with SIGINT ignored (a parent that ignores it passes that on through exec;
+    # Python then installs no KeyboardInterrupt handler and Ctrl-C would do nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     history: list[dict] = []
     pending: list[dict] = []
     print(_COMMANDS)

@@ -222,14 +222,20 @@ def test_chat_keeps_logs_out_of_answers(tiny_qwen2_vl, tmp_path):
 
 
 class Chat:
-    """`triptych chat` in a subprocess: lines in on stdin, stdout read as it comes."""
+    """`triptych chat` in a subprocess: lines in on stdin, stdout read as it comes.
+    ``sigint_ignored``: started with SIGINT ignored, as a parent that ignores it leaves it
+    (the chat must still stop and quit on Ctrl-C)."""
 
-    def __init__(self, model: str, *flags: str) -> None:
+    def __init__(self, model: str, *flags: str, sigint_ignored: bool = False) -> None:
         import queue
+
+        def ignore_sigint() -> None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "triptych", "chat", "--model", model, "--block-size", "4",
              *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=ENV)
+            text=True, env=ENV, preexec_fn=ignore_sigint if sigint_ignored else None)
         self.out = ""
         self._chunks: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -292,9 +298,13 @@ def test_chat_commands_are_not_messages(tiny_qwen2_vl):
     assert "assistant>" not in chat.out and "unknown command /nonsense" in chat.out
 
 
-def test_chat_ctrl_c_stops_an_answer_then_quits_at_the_prompt(tiny_qwen2_vl):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["default", "inherited-ignore"])
+def test_chat_ctrl_c_stops_an_answer_then_quits_at_the_prompt(tiny_qwen2_vl, sigint_ignored):
     # A long answer (the random model rarely ends by itself): Ctrl-C lands in the middle.
-    chat = Chat(tiny_qwen2_vl, "--max-tokens", "4000", "--max-model-len", "4096")
+    # (inherited-ignore: once seen in the suite, where a test had left its xdist worker
+    # ignoring SIGINT and the chat, its child, then ignored Ctrl-C at the prompt.)
+    chat = Chat(tiny_qwen2_vl, "--max-tokens", "4000", "--max-model-len", "4096",
+                sigint_ignored=sigint_ignored)
     chat.until("you> ")
     chat.send("Tell me a long story")
     chat.until("assistant> ")  # printed once Ctrl-C means "stop this answer"
