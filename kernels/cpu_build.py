@@ -129,6 +129,22 @@ _loaded: dict[str, Path] = {}
 _lock = threading.Lock()  # threads of one process: the flock above is per open file
 
 
+_usable: dict[str, bool] = {}
+
+
+def usable(name: str, logger: logging.Logger, without: str) -> bool:
+    """``load_library(name)`` once per process: whether it worked. When it did not, says so
+    once on ``logger``: ``without`` is what runs instead (the kernel modules' fallbacks)."""
+    if name not in _usable:
+        try:
+            load_library(name)
+            _usable[name] = True
+        except BuildError as e:
+            logger.warning("%s (install g++ to get it): %s", without, e)
+            _usable[name] = False
+    return _usable[name]
+
+
 def load_library(name: str) -> Path:
     """Build (if needed) and load ``csrc/<name>.cpp`` into this process's torch.ops."""
     with _lock:

@@ -24,22 +24,12 @@ from triptych.kernels import cpu_build, torch_ref
 logger = logging.getLogger("triptych.cpu_fused_ops")
 
 LIBRARY = "cpu_fused_ops"
-_state: dict[str, bool] = {}
-
-
 def enabled() -> bool:
     """``TRIPTYCH_CPU_FUSED_OPS`` is not 0 and the library is built and loaded here."""
     if os.environ.get("TRIPTYCH_CPU_FUSED_OPS", "1") == "0":
         return False
-    if LIBRARY not in _state:
-        try:
-            cpu_build.load_library(LIBRARY)
-            _state[LIBRARY] = True
-        except cpu_build.BuildError as e:
-            logger.warning("the fused CPU layer ops are unavailable, using the torch ones "
-                           "(install g++ to get them): %s", e)
-            _state[LIBRARY] = False
-    return _state[LIBRARY]
+    return cpu_build.usable(LIBRARY, logger,
+                            "the fused CPU layer ops are unavailable, using the torch ones")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -25,22 +25,13 @@ logger = logging.getLogger("triptych.cpu_gemv")
 LIBRARY = "cpu_gemv"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
-_state: dict[str, bool] = {}
-
-
 def enabled() -> bool:
     """``TRIPTYCH_CPU_GEMV`` is not 0 and the kernel is built and loaded here."""
     if os.environ.get("TRIPTYCH_CPU_GEMV", "1") == "0":
         return False
-    if LIBRARY not in _state:
-        try:
-            cpu_build.load_library(LIBRARY)
-            _state[LIBRARY] = True
-        except cpu_build.BuildError as e:
-            logger.warning("the CPU GEMV kernel is unavailable: batch-1 decode GEMMs use the "
-                           "slower library kernels (install g++ to get it): %s", e)
-            _state[LIBRARY] = False
-    return _state[LIBRARY]
+    return cpu_build.usable(LIBRARY, logger,
+                            "the CPU GEMV kernel is unavailable: batch-1 decode GEMMs use the "
+                            "slower library kernels")
 
 
 def row_sums(w: torch.Tensor) -> torch.Tensor:

@@ -31,20 +31,11 @@ LIBRARY = "cpu_paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_KV_BYTES_PER_THREAD = 4 << 20  # ~400 us of one core's reads: see the module docstring
 
-_state: dict[str, bool] = {}
-
-
 def available() -> bool:
     """The kernel is built and loaded in this process (built now on first call)."""
-    if LIBRARY not in _state:
-        try:
-            cpu_build.load_library(LIBRARY)
-            _state[LIBRARY] = True
-        except cpu_build.BuildError as e:
-            logger.warning("the fused CPU paged attention is unavailable, using the slower "
-                           "torch gather + SDPA path instead (install g++ to get it): %s", e)
-            _state[LIBRARY] = False
-    return _state[LIBRARY]
+    return cpu_build.usable(LIBRARY, logger,
+                            "the fused CPU paged attention is unavailable, using the slower "
+                            "torch gather + SDPA path instead")
 
 
 class CpuDecodePlan(NamedTuple):

@@ -29,20 +29,11 @@ BITS = {"float32": 32, "bfloat16": 16}
 # cost more than it saved on the shared 2-core box (its wake-up and a busy core)
 ARGMAX_MIN_ELEMENTS = 1 << 24
 
-_state: dict[str, bool] = {}
-
-
 def loaded() -> bool:
     """The library is built and loaded here (logs once why not)."""
-    if LIBRARY not in _state:
-        try:
-            cpu_build.load_library(LIBRARY)
-            _state[LIBRARY] = True
-        except cpu_build.BuildError as e:
-            logger.warning("the CPU panel GEMM is unavailable: batched CPU GEMMs use the "
-                           "library kernels (install g++ to get it): %s", e)
-            _state[LIBRARY] = False
-    return _state[LIBRARY]
+    return cpu_build.usable(LIBRARY, logger,
+                            "the CPU panel GEMM is unavailable: batched CPU GEMMs use the "
+                            "library kernels")
 
 
 def supported(fmt: str) -> bool:
