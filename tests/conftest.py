@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -65,3 +66,14 @@ def nothing_left_behind():
     while (left := _our_files() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"the test session left these behind: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored():
+    """A test that changes SIGINT's handler in this process (a worker entry point run
+    in-process ignores it) gets it put back: children inherit an ignored SIGINT, and Ray's
+    nodes or a chat started later would then ignore Ctrl-C / their stop signal."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before:
+        signal.signal(signal.SIGINT, before)
