@@ -69,7 +69,8 @@ def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool
         img, text = render.sample_page(rng, n_lines=rng.randint(2, 3),
                                        max_chars=rng.randint(8, 24),
                                        width=rng.choice([280, 308, 336]),
-                                       default_only=args.default_font_only, columns=cols)
+                                       default_only=args.default_font_only,
+                                       crop=getattr(args, "crop_pages", False), columns=cols)
         return img, text, cols
     max_chars = int(1 + 31 * min(1.0, frac / args.ramp)) if args.ramp > 0 else 32
     img, text = render.sample_line(rng, rng.randint(max(1, max_chars // 3), max_chars),
@@ -78,22 +79,50 @@ def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool
     return img, text, cols
 
 
-def make_batch(step: int, args: argparse.Namespace, batcher: Batcher, teacher: Any,
-               rng: random.Random) -> tuple[list[Any], dict[str, Any], Any]:
-    """Step ``step``'s samples, model inputs and glyph targets. Pages come in batches of
-    their own (an eighth of --batch), so that lines are not padded to a page's length:
-    every --page-every-th step once pages have joined."""
-    frac = step / args.steps
-    page = frac >= args.pages_from and step % args.page_every == 0
-    samples = [sample(rng, frac, args, page)
-               for _ in range(max(1, args.batch // 8) if page else args.batch)]
+def is_page_step(step: int, args: argparse.Namespace) -> bool:
+    """Pages come in batches of their own (an eighth of --batch), so that lines are not
+    padded to a page's length: every --page-every-th step once pages have joined."""
+    return step / args.steps >= args.pages_from and step % args.page_every == 0
+
+
+def step_samples(start: int, stop: int, args: argparse.Namespace, rng: random.Random
+                 ) -> list[list[tuple[Any, str, list[list[list[int]]]]]]:
+    """The samples of steps ``start`` to ``stop`` - 1, drawn in step order. With ``--bucket``
+    above 1 the line samples of those steps are pooled, sorted by length (text characters
+    plus vision tokens) and dealt back as batches of alike lengths in a random order: a
+    batch is padded to its longest row, and unsorted half of a batch's tokens were padding."""
+    out = []
+    for step in range(start, stop):
+        page = is_page_step(step, args)
+        out.append([sample(rng, step / args.steps, args, page)
+                    for _ in range(max(1, args.batch // 8) if page else args.batch)])
+    lines = [i for i in range(stop - start) if not is_page_step(start + i, args)]
+    if getattr(args, "bucket", 1) > 1 and len(lines) > 1:
+        pool = sorted((s for i in lines for s in out[i]),
+                      key=lambda s: len(s[1]) + s[0].width // render.ROW)
+        chunks = [pool[k * args.batch:(k + 1) * args.batch] for k in range(len(lines))]
+        rng.shuffle(chunks)
+        for i, chunk in zip(lines, chunks):
+            out[i] = chunk
+    return out
+
+
+def make_inputs(samples: list[tuple[Any, str, list[list[list[int]]]]], batcher: Batcher,
+                teacher: Any, rng: random.Random, model: Any = None
+                ) -> tuple[list[Any], dict[str, Any], Any]:
+    """(samples, model inputs, glyph targets). With ``model``, the inputs carry their M-RoPE
+    position ids (computed here, on the producer's thread, instead of in the forward)."""
     batch = batcher([(img, text) for img, text, _ in samples], rng)
+    if model is not None:
+        batch["position_ids"], _ = model.model.get_rope_index(
+            batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+            image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])
     return samples, batch, teacher.targets(samples)
 
 
 def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
-             rng: random.Random) -> Any:
-    """The batches, made one step ahead on a thread of this process (rendering and the image
+             rng: random.Random, model: Any = None) -> Any:
+    """The batches, made ahead on a thread of this process (rendering and the image
     processor mostly run outside the GIL, beside the forward and backward). One thread
     draws every sample from ``rng`` in step order, so the data are those of a loop without
     it."""
@@ -102,18 +131,21 @@ def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
 
     q: queue.Queue = queue.Queue(maxsize=2)
     done = threading.Event()
+    total = min(args.steps, args.max_steps or args.steps)
+    group = max(1, getattr(args, "bucket", 1))
 
     def produce() -> None:
-        for step in range(min(args.steps, args.max_steps or args.steps)):
-            item = make_batch(step, args, batcher, teacher, rng)
-            while not done.is_set():
-                try:
-                    q.put(item, timeout=1.0)
-                    break
-                except queue.Full:
-                    continue
-            if done.is_set():
-                return
+        for start in range(0, total, group):
+            for samples in step_samples(start, min(start + group, total), args, rng):
+                item = make_inputs(samples, batcher, teacher, rng, model)
+                while not done.is_set():
+                    try:
+                        q.put(item, timeout=1.0)
+                        break
+                    except queue.Full:
+                        continue
+                if done.is_set():
+                    return
 
     threading.Thread(target=produce, name="batches", daemon=True).start()
     try:

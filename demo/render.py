@@ -112,9 +112,10 @@ def _columns(text: str, font: Any, x: float, out: list[list[int]]) -> None:
     """Append each printed character of ``text`` drawn from ``x`` (its index in CHARSET) to
     the ``ROW``-px column its centre falls in: what each merged vision token shows, the
     training's per-token targets (demo/train.py)."""
+    ends = [0.0] + [font.getlength(text[:i + 1]) for i in range(len(text))]
     for i, ch in enumerate(text):
         if ch != " " and ch in CHARSET:
-            centre = x + (font.getlength(text[:i]) + font.getlength(text[:i + 1])) / 2
+            centre = x + (ends[i] + ends[i + 1]) / 2
             out[min(max(int(centre // ROW), 0), len(out) - 1)].append(CHARSET.index(ch))
 
 
@@ -140,10 +141,12 @@ def render_line(text: str, rng: random.Random, font: Any = None, *, clean: bool 
 
 
 def render_page(lines: list[str], rng: random.Random, font: Any = None, *,
-                width: int = 448, clean: bool = False,
+                width: int = 448, clean: bool = False, crop: bool = False,
                 columns: list[list[list[int]]] | None = None) -> Any:
     """A few lines on a portrait canvas (``width`` x ~1.3 ``width``), top-left, one line per
-    ``ROW``-aligned row with a gap row between paragraphs now and then. ``columns``: a list
+    ``ROW``-aligned row with a gap row between paragraphs now and then. ``crop``: the
+    canvas ends at a random row between the text's end and the full height (training:
+    pages of several shapes, and fewer blank patches to pay for). ``columns``: a list
     that receives the page's rows of per-column characters (``_columns``)."""
     from PIL import Image, ImageDraw
 
@@ -161,6 +164,9 @@ def render_page(lines: list[str], rng: random.Random, font: Any = None, *,
         draw.text((x0 - min(font.getbbox(text)[0], 0), y), text, font=font, fill=fg)
         _columns(text, font, x0 - min(font.getbbox(text)[0], 0), grid[row])
         row += 1 + (rng.random() < 0.25)
+    if crop:
+        rows = rng.randint(min(row + 1, len(grid)), len(grid))
+        img, grid = img.crop((0, 0, width, rows * ROW)), grid[:rows]
     if columns is not None:
         columns.extend(grid)
     return img if clean else _finish(img, rng)
@@ -186,7 +192,7 @@ def sample_line(rng: random.Random, max_chars: int, *, default_only: bool = Fals
 
 
 def sample_page(rng: random.Random, *, n_lines: int | None = None, max_chars: int = 36,
-                width: int = 448, default_only: bool = False,
+                width: int = 448, default_only: bool = False, crop: bool = False,
                 columns: list[list[list[int]]] | None = None) -> tuple[Any, str]:
     """(image, transcription) of a short page: 2-4 lines, joined by newlines."""
     font = pick_font(rng, default_only)
@@ -196,7 +202,8 @@ def sample_page(rng: random.Random, *, n_lines: int | None = None, max_chars: in
         while font.getbbox(text)[2] > width - 60 and len(text) > 1:
             text = text[:-1].rstrip() or text[:1]
         lines.append(text)
-    return render_page(lines, rng, font, width=width, columns=columns), "\n".join(lines)
+    return (render_page(lines, rng, font, width=width, crop=crop, columns=columns),
+            "\n".join(lines))
 
 
 def heldout_lines(n: int, seed: int = 12345, max_chars: int = 32) -> list[tuple[Any, str]]:

@@ -198,7 +198,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = list(model.parameters()) + list(teacher.head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, avg, acc, tacc = time.monotonic(), None, None, None
-    batches = prefetch(args, batcher, teacher, rng)
+    batches = prefetch(args, batcher, teacher, rng, model)
     for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
@@ -255,8 +255,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 # phases 2 and 3 start from the previous phase's weights and mix in pages.
 RECIPE: list[dict[str, Any]] = [
     dict(steps=6000, max_steps=3000),
-    dict(steps=3000, lr=1e-3, ramp=0.0, pages_from=0.0),
-    dict(steps=3500, lr=7e-4, ramp=0.0, pages_from=0.0, page_every=3, random_share=0.3, seed=1),
+    dict(steps=3000, lr=1e-3, ramp=0.0, pages_from=0.0, crop_pages=True),
+    dict(steps=4000, lr=7e-4, ramp=0.0, pages_from=0.0, page_every=3, random_share=0.3, seed=1,
+         crop_pages=True),
 ]
 
 
@@ -299,9 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-every", type=int, default=8,
                    help="once pages have joined, every this many steps is a batch of pages "
                         "(--batch / 8 of them)")
+    p.add_argument("--crop-pages", action="store_true",
+                   help="end each training page at a random row between its text and the "
+                        "full height (pages of several shapes, fewer blank patches)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps of the --steps schedule (0: all), e.g. "
                         "to end a phase at a point of its learning-rate curve")
+    p.add_argument("--bucket", type=int, default=8,
+                   help="pool the lines of this many steps and batch them by length (less "
+                        "padding: about a third less work per step); 1: no pooling")
     p.add_argument("--random-share", type=float, default=0.5,
                    help="share of lines made of random characters (no word prior)")
     p.add_argument("--aux-weight", type=float, default=1.0,
@@ -313,8 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                         "second phase; the glyph head starts afresh)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and samples")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1 keeps a shared box's other core free and loses "
-                        "little: the model is small and a step is mostly Python)")
+                   help="torch CPU threads (1 keeps a shared box's other core free; 2 on a "
+                        "quiet 2-core box: 0.27 vs 0.37 s per step of the last phase's mix). OpenMP's wait "
+                        "policy is left at libgomp's default on purpose: PASSIVE made a step "
+                        "~30%% slower here (many small ops, each a parallel region)")
     p.add_argument("--default-font-only", action="store_true",
                    help="render with Pillow's default font only (no DejaVu)")
     p.add_argument("--eval-lines", type=int, default=60, help="held-out lines for the CER")
