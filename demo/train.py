@@ -321,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of weights and samples")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 keeps a shared box's other core free; 2 on a "
-                        "quiet 2-core box: 0.27 vs 0.37 s per step of the last phase's mix). OpenMP's wait "
-                        "policy is left at libgomp's default on purpose: PASSIVE made a step "
-                        "~30%% slower here (many small ops, each a parallel region)")
+                        "quiet 2-core box: 0.27 vs 0.37 s per step of the last phase's mix). "
+                        "OpenMP's wait policy is left at libgomp's default on purpose: "
+                        "PASSIVE made a step ~30%% slower here (many small ops, each a "
+                        "parallel region)")
     p.add_argument("--default-font-only", action="store_true",
                    help="render with Pillow's default font only (no DejaVu)")
     p.add_argument("--eval-lines", type=int, default=60, help="held-out lines for the CER")
