@@ -211,6 +211,18 @@ def _node_of(nodes: dict, worker: dict) -> str:
     return next(k for k, n in nodes.items() if n.node_id == worker["node"]["node_id"])
 
 
+def _lose_node(c, nodes: dict, worker: dict) -> None:
+    """The host under ``worker`` is lost: its node goes, and its processes with it. Ray's
+    local Cluster only stops the node's raylet, and a worker busy in its loop notices that
+    ~1 s later, long enough on a quiet box for a whole stream to finish there untouched (the
+    test then saw no migration); a host that dies takes every process at once."""
+    c.remove_node(nodes.pop(_node_of(nodes, worker)), allow_graceful=False)
+    try:
+        os.kill(int(worker["pid"]), signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone with its raylet
+
+
 def test_losing_nodes_mid_stream(server, cluster):
     """The decode node of a stream, then the prefill node under another: both streams end
     with the undisturbed greedy tokens; both workers come back on nodes added after."""
@@ -225,7 +237,7 @@ def test_losing_nodes_mid_stream(server, cluster):
         holder = wait_for(lambda: next((w for w in _up(server, "decode") if w["requests"]),
                                        None), "the decode worker holding the stream")
         lost["decode"] = holder
-        c.remove_node(nodes.pop(_node_of(nodes, holder)), allow_graceful=False)
+        _lose_node(c, nodes, holder)
 
     assert _stream_while(server, msgs, LONG, 1, lose_decode) == want
     assert server.metric("triptych:request_migrations_total") > migrations
@@ -234,7 +246,7 @@ def test_losing_nodes_mid_stream(server, cluster):
     def lose_prefill() -> None:
         (prefill,) = _up(server, "prefill")
         lost["prefill"] = prefill
-        c.remove_node(nodes.pop(_node_of(nodes, prefill)), allow_graceful=False)
+        _lose_node(c, nodes, prefill)
 
     # the stream is in its decode worker's hands: the prefill node's loss does not touch it
     assert _stream_while(server, msgs, LONG, 8, lose_prefill) == want
