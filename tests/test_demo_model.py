@@ -118,7 +118,7 @@ def test_hf_transformers_reads_them_alike(heldout, in_process) -> None:
     from PIL import Image
     from transformers import Qwen2VLForConditionalGeneration
 
-    from triptych.demo.train import Batcher, greedy
+    from triptych.demo.evaluate import Batcher, greedy
 
     torch.set_num_threads(1)
     folder, _, _ = heldout

@@ -1,6 +1,7 @@
 """The demo model's training data (demo/batches.py, demo/render.py): batching lines by
 length keeps every sample and cuts padding; cropped training pages stay aligned with the
-glyph teacher's per-token targets; the recipe command runs end to end on a few steps."""
+glyph teacher's per-token targets; the recipe command runs end to end on a few steps,
+also as two data-parallel processes."""
 from __future__ import annotations
 
 import argparse
@@ -85,3 +86,28 @@ def test_training_command_runs_a_few_steps(tmp_path) -> None:
     assert phase["bucket"] == 3 and phase["crop_pages"] is True
     assert 0 <= result["heldout_cer"] and 0 <= result["heldout_page_cer"]
     assert (out / "model.safetensors").exists()
+
+
+def _run(out, *flags: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "triptych.demo.train", "--out", str(out),
+                        "--steps", "4", "--lr", "0.02", "--pages-from", "0", "--page-every", "2",
+                        "--crop-pages", "--eval-every", "0", "--eval-lines", "1",
+                        "--eval-pages", "1", "--threads", "1", *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "training.json").read_text())
+
+
+def test_two_training_processes_average_their_gradients(tmp_path) -> None:
+    """--procs 2: rank 1's half of every batch counts (the weights differ from rank 0's
+    half trained alone), a rerun gives the same weights bit for bit, and no rank is left."""
+    two = _run(tmp_path / "two", "--batch", "8", "--procs", "2")
+    assert two["phases"][0]["procs"] == 2 and two["phases"][0]["batch"] == 8
+    _run(tmp_path / "again", "--batch", "8", "--procs", "2")
+    _run(tmp_path / "half", "--batch", "4")  # rank 0's samples only: the same stream
+    weights = {d: (tmp_path / d / "model.safetensors").read_bytes()
+               for d in ("two", "again", "half")}
+    assert weights["two"] == weights["again"]
+    assert weights["two"] != weights["half"]
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
