@@ -15,7 +15,10 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import ServerProc, alive, text_part, user, wait_for
 
-N_TOKENS = 200
+# The tiny model writes ~1,000 tokens/s on this box: the request must still be running when
+# the test finds its worker and freezes it (200 tokens were gone in 0.2 s, and a busy CI box
+# once missed that window). 6,000 tokens leave seconds, and a busy box slows both alike.
+N_TOKENS = 6000
 
 
 def _health(s: ServerProc) -> dict:
@@ -50,7 +53,7 @@ def _holder(s: ServerProc) -> dict | None:
 
 def test_a_frozen_worker_is_killed_replaced_and_its_request_finishes(tiny_qwen2_vl, tmp_path):
     s = ServerProc(tiny_qwen2_vl, tmp_path / "serve.log", "--block-size", "4",
-                   "--max-model-len", "1024", "--data-parallel-size", "2",
+                   "--max-model-len", "8192", "--data-parallel-size", "2",
                    "--worker-heartbeat-timeout", "3", "--served-model-name", "tiny")
     frozen = None
     try:
@@ -61,7 +64,9 @@ def test_a_frozen_worker_is_killed_replaced_and_its_request_finishes(tiny_qwen2_
         t = threading.Thread(target=_stream, args=(s, out))
         t.start()
         wait_for(lambda: out.get("chunks", 0) >= 3, "the first tokens")
-        victim = wait_for(lambda: _holder(s), "the worker holding the request")
+        victim = wait_for(lambda: _holder(s) or (None if t.is_alive() else {"gone": 1}),
+                          "the worker holding the request")
+        assert "pid" in victim, "the request ended before the test could freeze its worker"
         frozen = victim["pid"]
         os.kill(frozen, signal.SIGSTOP)
         t.join(300)  # a hang guard: without liveness the stream would wait forever
