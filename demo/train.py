@@ -201,6 +201,7 @@ def run_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
         for k, v in phase.items():
             setattr(ns, k, v)
         ns.init, ns.threads, ns.eval_every = init, args.threads, args.eval_every
+        ns.seed += args.seed  # --seed N: another draw of the recipe (0: the shipped one)
         ns.procs = args.procs
         print(f"recipe phase {i}/{len(RECIPE)}: {phase}", flush=True)
         result = train(ns)
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                    "page CER")
     p.add_argument("--recipe", action="store_true",
                    help="run the shipped recipe (RECIPE: every phase, one after the other; "
-                        "only --out, --threads, --procs and --eval-every apply)")
+                        "only --out, --threads, --procs, --eval-every and --seed apply; "
+                        "--seed N adds N to every phase's seed: another draw)")
     p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     args = p.parse_args(argv)

@@ -111,3 +111,25 @@ def test_two_training_processes_average_their_gradients(tmp_path) -> None:
     assert weights["two"] != weights["half"]
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+def test_recipe_seed_is_another_draw(tmp_path) -> None:
+    """--recipe --seed N adds N to every phase's seed (another draw of the recipe); without
+    it the phases keep RECIPE's seeds. A two-phase recipe of a few steps stands in for the
+    shipped one (patched into a child process: nothing in this process changes)."""
+    def recipe(out, *flags: str) -> dict:
+        few = "batch=4, eval_lines=1, eval_pages=1"
+        code = ("import sys; from triptych.demo import train; train.RECIPE[:] = ["
+                f"dict(steps=2, {few}), dict(steps=2, {few}, pages_from=0.0, seed=1)]; "
+                "train.main(sys.argv[1:])")
+        r = subprocess.run([sys.executable, "-c", code, "--recipe", "--out", str(out),
+                            "--eval-every", "0", "--threads", "1", *flags],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((out / "training.json").read_text())
+
+    base, other = recipe(tmp_path / "base"), recipe(tmp_path / "other", "--seed", "5")
+    assert [p["seed"] for p in base["phases"]] == [0, 1]
+    assert [p["seed"] for p in other["phases"]] == [5, 6]
+    assert ((tmp_path / "base" / "model.safetensors").read_bytes()
+            != (tmp_path / "other" / "model.safetensors").read_bytes())
