@@ -129,7 +129,8 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
         out = model(**batch)
         aux, t = teacher.loss(targets)
         opt.zero_grad(set_to_none=True)
-        (out.loss + args.aux_weight * aux).backward()
+        w = ddp.token_shares(ddp.counts(batch, targets), args.procs) if args.procs > 1 else [1, 1]
+        (out.loss * w[0] + args.aux_weight * aux * w[1]).backward()
         if args.procs > 1:
             ddp.average_grads(params, args.procs)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -133,3 +133,45 @@ def test_recipe_seed_is_another_draw(tmp_path) -> None:
     assert [p["seed"] for p in other["phases"]] == [5, 6]
     assert ((tmp_path / "base" / "model.safetensors").read_bytes()
             != (tmp_path / "other" / "model.safetensors").read_bytes())
+
+
+def test_ranks_weighted_by_their_tokens_give_the_whole_batch_gradient() -> None:
+    """--procs N: each rank scales its mean losses by its share of the step's label tokens
+    and glyph targets (demo/ddp.py), so the ranks' averaged gradient is the gradient one
+    process takes over the whole batch; an unweighted mean of the ranks' means is not."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from triptych.demo import ddp
+    from triptych.demo.batches import make_inputs
+    from triptych.demo.teacher import TokenTargets
+
+    torch.manual_seed(0)
+    batcher = Batcher(demo_checkpoint())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(demo_checkpoint(),
+                                                            dtype=torch.float32)
+    teacher = TokenTargets(model)
+    params = list(model.parameters()) + list(teacher.head.parameters())
+    samples = step_samples(1, 2, args(batch=8, random_share=0.5), random.Random(5))[0]
+
+    def grad(chunks: list, w: list | None = None) -> tuple:
+        rng, total, cnt = random.Random(9), 0, []
+        for i, chunk in enumerate(chunks):  # one prompt stream, as the whole batch draws it
+            _, batch, targets = make_inputs(chunk, batcher, teacher, rng, model)
+            for p in params:
+                p.grad = None
+            out = model(**batch)
+            aux, _ = teacher.loss(targets)
+            s = w[i] if w else [1.0, 1.0]
+            (out.loss * s[0] + aux * s[1]).backward()
+            total = total + torch.cat([p.grad.reshape(-1) for p in params]) / len(chunks)
+            cnt.append(ddp.counts(batch, targets))
+        return total, cnt
+
+    whole, _ = grad([samples])
+    plain, cnt = grad([samples[:4], samples[4:]])  # two ranks, their means averaged
+    assert cnt[0] != cnt[1]
+    summed = [a + b for a, b in zip(*cnt)]
+    weighted, _ = grad([samples[:4], samples[4:]], [ddp.shares(c, summed, 2) for c in cnt])
+    err = lambda g: float((g - whole).norm() / whole.norm())  # noqa: E731
+    assert err(weighted) < 1e-5 and err(plain) > 100 * err(weighted), (err(weighted), err(plain))
