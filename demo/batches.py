@@ -36,13 +36,18 @@ class Batcher:
         return self.tok.encode(s.replace("<|image_pad|>", "<|image_pad|>" * n),
                                add_special_tokens=False)
 
-    def __call__(self, samples: list[tuple[Any, str]], rng: random.Random) -> dict[str, Any]:
+    def __call__(self, samples: list[tuple[Any, str]], rng: random.Random,
+                 keep: slice = slice(None)) -> dict[str, Any]:
+        """The inputs of ``samples[keep]``; every sample's prompt is drawn from ``rng``
+        all the same, so a rank keeping its share draws what the whole batch draws."""
         import torch
 
+        prompts = [(rng.choice(PROMPTS), rng.random() < 0.1) for _ in samples][keep]
+        samples = samples[keep]
         enc = self.proc(images=[im for im, _ in samples], return_tensors="pt")
         rows, labels = [], []
-        for (_, text), grid in zip(samples, enc["image_grid_thw"]):
-            p = self.prompt_ids(grid, rng.choice(PROMPTS), rng.random() < 0.1)
+        for (_, text), grid, (prompt, text_first) in zip(samples, enc["image_grid_thw"], prompts):
+            p = self.prompt_ids(grid, prompt, text_first)
             t = self.tok.encode(text, add_special_tokens=False) + [self.eos]
             rows.append(p + t)
             labels.append([-100] * len(p) + t)
@@ -108,11 +113,15 @@ def step_samples(start: int, stop: int, args: argparse.Namespace, rng: random.Ra
 
 
 def make_inputs(samples: list[tuple[Any, str, list[list[list[int]]]]], batcher: Batcher,
-                teacher: Any, rng: random.Random, model: Any = None
-                ) -> tuple[list[Any], dict[str, Any], Any]:
-    """(samples, model inputs, glyph targets). With ``model``, the inputs carry their M-RoPE
-    position ids (computed here, on the producer's thread, instead of in the forward)."""
-    batch = batcher([(img, text) for img, text, _ in samples], rng)
+                teacher: Any, rng: random.Random, model: Any = None, procs: int = 1,
+                rank: int = 0) -> tuple[list[Any], dict[str, Any], Any]:
+    """(samples, model inputs, glyph targets) of this rank's share of ``samples`` (all of
+    them with one process). With ``model``, the inputs carry their M-RoPE position ids
+    (computed here, on the producer's thread, instead of in the forward)."""
+    n = len(samples) // procs
+    keep = slice(rank * n, (rank + 1) * n)
+    batch = batcher([(img, text) for img, text, _ in samples], rng, keep)
+    samples = samples[keep]
     if model is not None:
         batch["position_ids"], _ = model.model.get_rope_index(
             batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
@@ -125,7 +134,8 @@ def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
     """The batches, made ahead on a thread of this process (rendering and the image
     processor mostly run outside the GIL, beside the forward and backward). One thread
     draws every sample from ``rng`` in step order, so the data are those of a loop without
-    it."""
+    it. With ``--procs`` above 1 every rank draws the whole step and keeps its share
+    (``args.rank``): the ranks' samples are one process's."""
     import queue
     import threading
 
@@ -137,7 +147,8 @@ def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
     def produce() -> None:
         for start in range(0, total, group):
             for samples in step_samples(start, min(start + group, total), args, rng):
-                item = make_inputs(samples, batcher, teacher, rng, model)
+                item = make_inputs(samples, batcher, teacher, rng, model,
+                                   getattr(args, "procs", 1), getattr(args, "rank", 0))
                 while not done.is_set():
                     try:
                         q.put(item, timeout=1.0)

@@ -7,9 +7,11 @@ inside each op gains little, while a second process keeps the other core busy al
 time. Rank 0 is the command itself: it prepares the checkpoint directory, starts the
 other ranks as ``python -m triptych.demo.train`` with the same flags (arguments on a
 command line; nothing pickled), and alone logs, saves and evaluates. The ranks start
-from the same weights (broadcast from rank 0), draw their own samples (each its own
-seeded stream) and average their gradients over gloo on 127.0.0.1 after every backward,
-so every rank holds the same weights at every step. Each rank scales its two mean losses
+from the same weights (broadcast from rank 0), each draws every step's samples (and
+their prompts) from the one seeded stream a single process draws and keeps its share
+(rank r the r-th slice; rendering the rest is ~10% more work), and they average their
+gradients over gloo on 127.0.0.1 after every backward, so every rank holds the same
+weights at every step. Together they train on one process's samples. Each rank scales its two mean losses
 (the language model's, the glyph teacher's) by its share of the step's label tokens and
 glyph targets (``token_shares``), so the averaged gradient is the mean over all the
 step's tokens, what one process takes over the whole batch, and not a mean of the ranks'
@@ -19,7 +21,6 @@ machine a run is deterministic: adding two ranks' gradients is exact in either o
 from __future__ import annotations
 
 import argparse
-import random
 import socket
 import subprocess
 import sys
@@ -63,11 +64,6 @@ def join(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.dist_port}",
                             rank=args.rank, world_size=args.procs, timeout=TIMEOUT)
-
-
-def sample_rng(args: argparse.Namespace) -> random.Random:
-    """Rank 0 draws the stream a one-process run draws; every other rank its own."""
-    return random.Random(args.seed if args.rank == 0 else f"{args.seed}/{args.rank}")
 
 
 def same_start(params: list[Any]) -> None:

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import random
 import time
 from typing import Any
 
@@ -107,7 +108,7 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
     import torch
     from transformers import Qwen2VLForConditionalGeneration
 
-    rng = ddp.sample_rng(args)
+    rng = random.Random(args.seed)  # every rank draws the whole step, keeps its share
     batcher = Batcher(args.out)
     model = Qwen2VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32)
     model.train()
@@ -117,9 +118,7 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
         ddp.same_start(params)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, avg, acc, tacc = time.monotonic(), None, None, None
-    # Each rank makes its share of every step's samples (pages: an eighth of the whole).
-    share = argparse.Namespace(**{**vars(args), "batch": args.batch // args.procs})
-    batches = prefetch(share, batcher, teacher, rng, model)
+    batches = prefetch(args, batcher, teacher, rng, model)
     for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
@@ -282,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     args = p.parse_args(argv)
-    if args.procs < 1 or args.batch % args.procs:
-        p.error(f"--procs must be at least 1 and divide --batch ({args.batch})")
+    if args.procs < 1 or max(1, args.batch // 8) % args.procs:
+        p.error(f"--procs must be at least 1 and divide --batch / 8 ({args.batch // 8}: "
+                "a page step's samples)")
     run_recipe(p, args) if args.recipe else train(args)
     return 0
 
