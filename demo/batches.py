@@ -56,7 +56,8 @@ class Batcher:
         lab = torch.full((len(rows), n), -100)
         mask = torch.zeros((len(rows), n), dtype=torch.long)
         for i, (r, lb) in enumerate(zip(rows, labels)):
-            ids[i, :len(r)], lab[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), torch.tensor(lb), 1
+            ids[i, :len(r)], lab[i, :len(r)] = torch.tensor(r), torch.tensor(lb)
+            mask[i, :len(r)] = 1
         types = (ids == self.proc_image_id).long()
         return dict(input_ids=ids, attention_mask=mask, labels=lab, mm_token_type_ids=types,
                     pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])

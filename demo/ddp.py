@@ -1,22 +1,20 @@
 """Data-parallel training of the demo model over local processes (``--procs``; demo/train.py).
 
-On this 2-core box two processes of one thread each, each with half the batch, make a
-step of the last phase's mix in ~0.20 s where one process of two threads takes ~0.27 s
-(measured, docs/demo-model.md): the model's ops are small, so a second OpenMP thread
-inside each op gains little, while a second process keeps the other core busy all the
-time. Rank 0 is the command itself: it prepares the checkpoint directory, starts the
-other ranks as ``python -m triptych.demo.train`` with the same flags (arguments on a
-command line; nothing pickled), and alone logs, saves and evaluates. The ranks start
-from the same weights (broadcast from rank 0), each draws every step's samples (and
-their prompts) from the one seeded stream a single process draws and keeps its share
-(rank r the r-th slice; rendering the rest is ~10% more work), and they average their
-gradients over gloo on 127.0.0.1 after every backward, so every rank holds the same
-weights at every step. Together they train on one process's samples. Each rank scales its two mean losses
-(the language model's, the glyph teacher's) by its share of the step's label tokens and
-glyph targets (``token_shares``), so the averaged gradient is the mean over all the
-step's tokens, what one process takes over the whole batch, and not a mean of the ranks'
-means (0.3-0.5% of the gradient's norm apart on phase-1 batches, measured). On one
-machine a run is deterministic: adding two ranks' gradients is exact in either order.
+On a 2-core box two processes of one thread each make a step in less time than one
+process of two threads: the model's ops are small, so a second OpenMP thread inside each
+op gains little, while a second process keeps the other core busy all the time
+(docs/demo-model.md has the figures). Rank 0 is the command itself: it prepares the
+checkpoint directory, starts the other ranks as ``python -m triptych.demo.train`` with the
+same flags (arguments on a command line; nothing pickled), and alone logs, saves and
+evaluates. The ranks start from the same weights (broadcast from rank 0). Each draws every
+step's samples and prompts from the one seeded stream a single process draws and keeps
+its share (rank r the r-th slice), so together they train on one process's samples. Each
+scales its two mean losses (the language model's, the glyph teacher's) by its share of
+the step's label tokens and glyph targets (``token_shares``), and the gradients are
+averaged over gloo on 127.0.0.1 after every backward: the result is the gradient one
+process takes over the whole batch (a plain mean of the ranks' means was 0.3-0.5% of its
+norm away on phase-1 batches), and every rank holds the same weights at every step. On
+one machine a run is deterministic: adding two ranks' gradients is exact in either order.
 """
 from __future__ import annotations
 
