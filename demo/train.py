@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     args = p.parse_args(argv)
-    if args.procs < 1 or max(1, args.batch // 8) % args.procs:
-        p.error(f"--procs must be at least 1 and divide --batch / 8 ({args.batch // 8}: "
-                "a page step's samples)")
+    if args.procs < 1 or args.batch % args.procs or max(1, args.batch // 8) % args.procs:
+        p.error(f"--procs must be at least 1 and divide --batch ({args.batch}) and --batch / 8 "
+                f"({args.batch // 8}: a page step's samples)")
     run_recipe(p, args) if args.recipe else train(args)
     return 0
 
