@@ -3,14 +3,19 @@ one that imports it back, and no file grows into a second engine.
 
 Imports are read from the source (``ast``), at module level and inside functions alike:
 a function-level import that closes a circle is still a circle a reader has to untangle.
+
+Only the package's own files are read: the root's .py files and the package folders at the
+root (those with an ``__init__.py``), everything below them. A ``.venv`` made inside the
+clone (the README's set-up), ``tests/``, ``docs/`` or a build folder is never walked.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-SKIP = {"tests", ".git", ".ci", "docs", "build"}
 
 POOLS = {"encode", "prefill", "decode"}
 _TOP = POOLS | {"router", "api", "bench"}
@@ -33,12 +38,25 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 
 
+def _package_files(root: Path = ROOT) -> list[Path]:
+    """The package's .py files: the root's own and those under its package folders."""
+    def walk(folder: Path) -> list[Path]:
+        out: list[Path] = []
+        for p in sorted(folder.iterdir()):
+            if p.is_dir():
+                top_pkg = folder != root or (p / "__init__.py").is_file()
+                if top_pkg and not p.name.startswith((".", "__pycache__")):
+                    out.extend(walk(p))
+            elif p.suffix == ".py":
+                out.append(p)
+        return out
+    return walk(root)
+
+
 def _modules() -> dict[str, Path]:
     mods: dict[str, Path] = {}
-    for path in ROOT.rglob("*.py"):
+    for path in _package_files():
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP:
-            continue
         parts = list(rel.with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -121,3 +139,29 @@ def test_the_room_table_in_the_architecture_doc_matches_the_folders() -> None:
                    if p.is_dir() and (p / "__init__.py").exists())
     missing = [r for r in rooms if f"`{r}/`" not in doc]
     assert not missing, f"docs/architecture.md does not describe: {missing}"
+
+
+def test_the_walk_reads_the_package_and_nothing_beside_it(tmp_path) -> None:
+    """A .venv inside the clone (README's set-up), tests and docs are not the package."""
+    for rel in ("__init__.py", "llm.py", "api/__init__.py", "api/server.py",
+                "api/media/decode.py", ".venv/lib/python3.12/site-packages/big.py",
+                ".venv/bin/activate_this.py", "tests/test_x.py", "docs/conf.py",
+                "build/lib/triptych/llm.py", "api/__pycache__/server.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    found = sorted(str(p.relative_to(tmp_path)) for p in _package_files(tmp_path))
+    assert found == ["__init__.py", "api/__init__.py", "api/media/decode.py", "api/server.py",
+                     "llm.py"]
+
+
+def test_every_folder_of_code_is_a_package_pyproject_installs() -> None:
+    """A folder of modules missing from pyproject's list works in the editable install and
+    is absent from a wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    folders = {p.parent for p in _package_files()}
+    walked = {".".join(["triptych", *f.relative_to(ROOT).parts]) for f in folders}
+    assert walked == listed, {"not listed": walked - listed, "listed, absent": listed - walked}
+    no_init = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
+    assert not no_init, f"folders without __init__.py: {no_init}"
