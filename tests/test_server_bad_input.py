@@ -5,6 +5,7 @@ behind. (Worker wire garbage, engine death and restarts: tests/test_supervision.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import struct
@@ -75,6 +76,10 @@ def png_bomb(w: int = 100_000, h: int = 100_000) -> bytes:
 
 
 BIG = Image.new("RGB", (1200, 1000))
+# NOTE: fixed bytes, not os.urandom: of 20,000 seeded draws of 2,000 bytes, 82 opened as a
+# container with no video stream and 1 as one with no decodable frames (right answers too,
+# without "decode"); this draw is one FFmpeg cannot probe at all.
+CORRUPT_VIDEO = random.Random(34).randbytes(2000)
 VIDEO_5S = data_url(make_video(5.0), "video/mp4")
 
 # name -> (messages or a builder taking (media_dir, files_port), status, words in the message)
@@ -91,7 +96,7 @@ CASES = {
     "corrupt second image": ([{"role": "user", "content": "hi"}, {"role": "user", "content": [
         text_part("Look:"), image_part(data_url(png(img(4)))),
         image_part(data_url(png(img(5))[:60]))]}], 400, "decode"),
-    "corrupt video": (user(video_part(data_url(os.urandom(2000), "video/mp4"))), 400, "decode"),
+    "corrupt video": (user(video_part(data_url(CORRUPT_VIDEO, "video/mp4"))), 400, "decode"),
     "video too long": (user(video_part(VIDEO_5S)), 400, "long"),
     "bad base64": (user(image_part("data:image/png;base64,!!!notbase64")), 400, "base64"),
     "ftp scheme": (user(image_part("ftp://127.0.0.1/x.png")), 400, "unsupported"),
