@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
 
     early_env(args.threads)
     threads = apply_thread_policy(args.threads)
-    from triptych.kernels import cpu_paged_attention, torch_ref
+    from triptych.kernels import torch_ref
+    from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
     if not cpu_paged_attention.available():
         raise SystemExit("the fused CPU kernel did not build here (see the warning above)")

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from triptych.bench import machine
 
-# name -> engine knobs (kernels/cpu_linear.py packs the weights)
+# name -> engine knobs (kernels/cpu/linear.py packs the weights)
 FORMATS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
     "fp16": {"dtype": "float16"}, "int8": {"quantization": "int8"}}

@@ -5,8 +5,8 @@ Runs the bench LM's GEMMs (hidden 512, 8 layers, intermediate 1376, 152k-row tie
 ``models/demo.BENCH_FLAGS``) in decode-step order over 8 layers of distinct weights, so
 each weight comes from memory as in a real step (the step's weights outgrow the L3).
 Rounds alternate every (format, kernel, rows, threads) cell; medians per cell. The
-``policy`` column is the thread count ``CpuGemm.threads`` picks (kernels/cpu_linear.py).
-Kernels: ``lib`` (the libraries' packed GEMMs) and ``gemv`` (kernels/cpu_gemv.py, on
+``policy`` column is the thread count ``CpuGemm.threads`` picks (kernels/cpu/linear.py).
+Kernels: ``lib`` (the libraries' packed GEMMs) and ``gemv`` (kernels/cpu/gemv.py, on
 rows up to ``--gemv-rows``); ``cpu`` is the process's CPU time of the cell's step (on a
 shared box it moves far less than wall time).
 """
@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 import torch
-from triptych.kernels import cpu_gemv
-from triptych.kernels.cpu_linear import FORMATS, CpuGemm
+from triptych.kernels.cpu import gemv as cpu_gemv
+from triptych.kernels.cpu.linear import FORMATS, CpuGemm
 
 # The bench LM's layout; --hidden 1536 --intermediate 8960 --qkv 2048 is Qwen2-VL-2B's.
 HIDDEN, INTER, LAYERS, VOCAB, QKV = 512, 1376, 8, 151936, 1024
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="thread counts to compare")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; medians reported")
     p.add_argument("--kernels", default="lib,gemv", help="lib (packed library GEMMs) and/or "
-                   "gemv (kernels/cpu_gemv.py)")
+                   "gemv (kernels/cpu/gemv.py)")
     p.add_argument("--gemv-rows", type=int, default=4, help="largest rows measured with gemv")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size")

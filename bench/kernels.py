@@ -29,9 +29,10 @@ def main() -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (use --smoke for a CPU interpreter run)")
         return 0
-    from triptych.kernels import torch_ref, triton_ops
-    from triptych.kernels.triton_common import num_sms, pad_dim
-    from triptych.kernels.triton_decode_attention import _config, choose_partition
+    from triptych.kernels import torch_ref
+    from triptych.kernels.triton import ops as triton_ops
+    from triptych.kernels.triton.common import num_sms, pad_dim
+    from triptych.kernels.triton.decode_attention import _config, choose_partition
 
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -76,7 +76,7 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> to
 
 
 def resolve_cpu_weights(config: EngineConfig, device: torch.device) -> str | None:
-    """The format the CPU linear layers pack their weights in (kernels/cpu_linear.py), or
+    """The format the CPU linear layers pack their weights in (kernels/cpu/linear.py), or
     None where the model runs its own dtype through ``F.linear`` (CUDA, cpu_gemm=torch).
 
     A packed CPU model computes in fp32 whatever its weights hold: ``dtype`` bfloat16 /

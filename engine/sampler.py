@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from triptych.engine.penalties import PenaltyState
-from triptych.kernels import cpu_panel_gemm
+from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
 from triptych.engine.sampling_params import SamplingParams
 
 

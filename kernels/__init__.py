@@ -19,7 +19,7 @@ BACKENDS = ("torch", "cpu", "triton")
 
 
 def _cpu_kernels() -> bool:
-    from triptych.kernels import cpu_paged_attention  # noqa: PLC0415 (builds on first use)
+    from triptych.kernels.cpu import paged_attention as cpu_paged_attention  # noqa: PLC0415 (builds on first use)
 
     return cpu_paged_attention.available()
 
@@ -54,7 +54,7 @@ def get_ops(backend: str) -> SimpleNamespace:
     if backend in ("torch", "cpu"):
         mod = torch_ref
     elif backend == "triton":
-        from triptych.kernels import triton_ops as mod  # noqa: PLC0415
+        from triptych.kernels.triton import ops as mod  # noqa: PLC0415
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     decode = mod.paged_decode_attention
@@ -62,10 +62,10 @@ def get_ops(backend: str) -> SimpleNamespace:
         if not _cpu_kernels():
             raise ValueError("attention backend 'cpu': its C++ kernel did not build here; "
                              "use attention_backend='torch'")
-        from triptych.kernels import cpu_paged_attention  # noqa: PLC0415
+        from triptych.kernels.cpu import paged_attention as cpu_paged_attention  # noqa: PLC0415
 
         decode = cpu_paged_attention.paged_decode_attention
-        from triptych.kernels import cpu_fused_ops  # noqa: PLC0415 (builds on first use)
+        from triptych.kernels.cpu import fused_ops as cpu_fused_ops  # noqa: PLC0415 (builds on first use)
 
         if cpu_fused_ops.enabled():  # residual + norm, M-RoPE, cache write, SwiGLU: one op each
             mod = cpu_fused_ops

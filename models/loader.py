@@ -62,7 +62,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     (models/weight_parts.py); the other part's tensors are never read from the files.
     ``cpu_weights`` (float32 | bfloat16 | float16 | int8): an fp32 model on the CPU runs
     its linear layers (and LM head) on weights packed once in that format
-    (kernels/cpu_linear.py); the engine's processes ask for it.
+    (kernels/cpu/linear.py); the engine's processes ask for it.
     Never downloads. Raises ValueError for an unsupported architecture, a missing tensor or
     a shape mismatch."""
     from transformers import AutoConfig
@@ -73,7 +73,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
     if cpu_weights and torch.device(device).type == "cpu" and dtype == torch.float32:
-        from triptych.kernels.cpu_linear import available, pack_linears
+        from triptych.kernels.cpu.linear import available, pack_linears
 
         if available(cpu_weights) or cpu_weights != "float32":  # else: F.linear, logged
             pack_linears(model, cpu_weights)

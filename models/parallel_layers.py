@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.kernels.cpu_linear import linear
+from triptych.kernels.cpu.linear import linear
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -110,7 +110,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, in / size] -> [N, out]
-        y = self.ctx.all_reduce(linear(self, x))  # packed on CPU (kernels/cpu_linear.py)
+        y = self.ctx.all_reduce(linear(self, x))  # packed on CPU (kernels/cpu/linear.py)
         return y if self.bias is None else y + self.bias
 
     def shards(self, prefix: str) -> dict[str, list[Shard]]:

@@ -256,9 +256,9 @@ class Qwen2VLForCausalLM(nn.Module):
              else self.lm_head.weight)
         if self.pack_head and hidden.device.type == "cpu":
             # The head is the widest GEMM of a decode step (vocab ~152k): a packed copy of
-            # the frozen weight (kernels/cpu_linear.py; the embedding keeps its own).
+            # the frozen weight (kernels/cpu/linear.py; the embedding keeps its own).
             if self._head_gemm is None:
-                from triptych.kernels.cpu_linear import CpuGemm
+                from triptych.kernels.cpu.linear import CpuGemm
 
                 self._head_gemm = CpuGemm(w, None, self.pack_head)
             return self._head_gemm(hidden)

@@ -48,7 +48,7 @@ def holds(parts: str, name: str) -> bool:
 
 def weight_bytes(model: Any) -> dict[str, int]:
     """Bytes of the parameters a model holds, per part (measured, not from the config);
-    a linear layer packed for the CPU (kernels/cpu_linear.py) counts its packed weight.
+    a linear layer packed for the CPU (kernels/cpu/linear.py) counts its packed weight.
     NOTE: the LM head's packed copy is made on the first logits and is not counted."""
     out = {"vision": 0, "language": 0}
     for name, p in model.named_parameters():
@@ -56,6 +56,6 @@ def weight_bytes(model: Any) -> dict[str, int]:
     for name, m in model.named_modules():
         gemm = getattr(m, "cpu_gemm", None)
         if gemm is not None:
-            # + the row-major copy batch-1 steps read (kernels/cpu_gemv.py), if one was made
+            # + the row-major copy batch-1 steps read (kernels/cpu/gemv.py), if one was made
             out[part_of(name + ".")] += gemm.weight_bytes + gemm.bias_bytes + gemm.gemv_bytes
     return out

@@ -1,7 +1,7 @@
-"""The fused CPU paged-decode attention (kernels/cpu_paged_attention.py) against the torch
+"""The fused CPU paged-decode attention (kernels/cpu/paged_attention.py) against the torch
 reference, for every block size the config allows and the head layouts the models use.
 
-The kernel is compiled once per machine (kernels/cpu_build.py); these tests load it from
+The kernel is compiled once per machine (kernels/cpu/build.py); these tests load it from
 that cache like the engine does, so the suite compiles it at most once."""
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import sys
 
 import pytest
 import torch
-from triptych.kernels import cpu_build, cpu_paged_attention, get_ops, resolve_backend, torch_ref
+from triptych.kernels import get_ops, resolve_backend, torch_ref
+from triptych.kernels.cpu import build as cpu_build
+from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
 # Only a missing compiler skips: with one, a failed build fails these tests.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,

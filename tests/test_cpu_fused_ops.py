@@ -1,4 +1,4 @@
-"""The CPU decoder layer's fused ops (kernels/cpu_fused_ops.py, csrc/cpu_fused_ops.cpp)
+"""The CPU decoder layer's fused ops (kernels/cpu/fused_ops.py, csrc/cpu_fused_ops.cpp)
 against the torch reference they replace in the ``cpu`` backend: M-RoPE of strided q / k
 views and the K/V cache write (padding slots skipped) bit for bit, residual + RMSNorm
 within the rounding of its mean, silu(gate) * up within a few ulp of its exp, the
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triptych.kernels import cpu_fused_ops, get_ops, torch_ref
+from triptych.kernels import get_ops, torch_ref
+from triptych.kernels.cpu import fused_ops as cpu_fused_ops
 
 pytestmark = pytest.mark.skipif(not cpu_fused_ops.enabled(), reason="no C++ compiler here")
 

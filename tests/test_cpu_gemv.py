@@ -1,4 +1,4 @@
-"""The batch-1 GEMV kernel (kernels/cpu_gemv.py, csrc/cpu_gemv.cpp) behind ``CpuGemm`` for
+"""The batch-1 GEMV kernel (kernels/cpu/gemv.py, csrc/cpu_gemv.cpp) behind ``CpuGemm`` for
 calls of 1-2 rows: fp32 / bf16 / int8 within their error of an fp64 reference (fp32 equal
 to F.linear up to rounding; fp16 stays on fbgemm), K not a multiple of the 16-lane vector, bias and per-row
 scales, a row split over threads equal to one thread's, the library path for more rows,
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triptych.kernels import cpu_gemv, cpu_linear
-from triptych.kernels.cpu_linear import FORMATS, GEMV_MAX_ROWS, CpuGemm
+from triptych.kernels.cpu import gemv as cpu_gemv
+from triptych.kernels.cpu import linear as cpu_linear
+from triptych.kernels.cpu.linear import FORMATS, GEMV_MAX_ROWS, CpuGemm
 
 pytestmark = pytest.mark.skipif(not (cpu_linear.available() and cpu_gemv.enabled()),
                                 reason="no packed CPU linear or no C++ compiler here")

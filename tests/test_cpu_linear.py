@@ -1,4 +1,4 @@
-"""CPU linear layers on packed weights (kernels/cpu_linear.py): fp32 the same numbers as
+"""CPU linear layers on packed weights (kernels/cpu/linear.py): fp32 the same numbers as
 F.linear up to rounding, bf16 / fp16 / int8 weights within their documented error of the
 fp32 reference, every linear of a loaded model packed (the LM head through its own copy),
 threads chosen by GEMM size and weight bytes, and the choice of a user who turned it off
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.kernels import cpu_linear
-from triptych.kernels.cpu_linear import (
+from triptych.kernels.cpu import linear as cpu_linear
+from triptych.kernels.cpu.linear import (
     FORMATS,
     CpuGemm,
     min_bytes_per_thread,

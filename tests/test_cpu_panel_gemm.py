@@ -1,4 +1,4 @@
-"""The batched panel GEMM (kernels/cpu_panel_gemm.py, csrc/cpu_panel_gemm.cpp) behind
+"""The batched panel GEMM (kernels/cpu/panel_gemm.py, csrc/cpu_panel_gemm.cpp) behind
 ``CpuGemm`` for fp32 calls of more than the GEMV's rows, and the sampler's C++ argmax:
 fp32 / bf16 within their rounding of an fp64 reference for row counts around the 8-row
 register tile and column counts around the 48-column one (odd K, bias), a split over 2
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triptych.engine.sampler import Sampler
-from triptych.kernels import cpu_linear, cpu_panel_gemm
-from triptych.kernels.cpu_linear import CpuGemm
+from triptych.kernels.cpu import linear as cpu_linear
+from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
+from triptych.kernels.cpu.linear import CpuGemm
 
 pytestmark = pytest.mark.skipif(not cpu_panel_gemm.loaded(), reason="no C++ compiler here")
 TOLERANCE = {"float32": 1e-6, "bfloat16": 5e-3}  # bf16: x and w rounded to bf16

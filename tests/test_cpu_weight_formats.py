@@ -1,4 +1,4 @@
-"""A 16-bit and an int8 model served end to end (kernels/cpu_linear.py): a real `triptych
+"""A 16-bit and an int8 model served end to end (kernels/cpu/linear.py): a real `triptych
 serve --dtype bfloat16` / `--quantization int8` and the real openai client. The served
 tokens and log-probs are those of the offline engine with the same weight format, and
 measurably not fp32's, so a knob lost on the way to the worker fails the test."""
@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from triptych.kernels import cpu_linear
+from triptych.kernels.cpu import linear as cpu_linear
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import data_url, image_part, img, module_server, png, text_part, user

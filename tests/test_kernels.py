@@ -17,8 +17,8 @@ from triptych.kernels import resolve_backend, torch_ref
 
 import triton  # noqa: E402, F401 (the [triton] extra, which the README installs)
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets the interpreter first"
-from triptych.kernels import triton_ops  # noqa: E402  (after the interpreter check)
-from triptych.kernels.triton_decode_attention import MAX_PARTITION, choose_partition  # noqa: E402
+from triptych.kernels.triton import ops as triton_ops  # noqa: E402  (after the interpreter check)
+from triptych.kernels.triton.decode_attention import MAX_PARTITION, choose_partition  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -201,7 +201,7 @@ def test_wrappers_reject_bad_arguments(monkeypatch):
 
 
 def test_backend_resolution(monkeypatch):
-    from triptych.kernels import cpu_paged_attention
+    from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
     cpu_default = "cpu" if cpu_paged_attention.available() else "torch"  # C++ kernel built?
     assert resolve_backend(None, "cpu") == cpu_default
@@ -229,7 +229,7 @@ def test_engine_outputs_equal_across_backends(tiny_qwen2_vl):
                                          {"type": "text", "text": "What is it?"}]}]
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
     outs = {}
-    from triptych.kernels import cpu_paged_attention
+    from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
     backends = ("torch", "triton") + (("cpu",) if cpu_paged_attention.available() else ())
     for backend in backends:
@@ -254,7 +254,7 @@ def test_kernels_compile_for_h100():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-m", "triptych.kernels.compile_check", "--arch", "90"],
+    r = subprocess.run([sys.executable, "-m", "triptych.kernels.triton.compile_check", "--arch", "90"],
                        env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == 21 and "0 failed" in r.stdout

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.request import MMItem
 from triptych.kernels import get_ops
-from triptych.kernels.cpu_linear import available as cpu_linear_available
+from triptych.kernels.cpu.linear import available as cpu_linear_available
 from triptych.models import compute_mrope_positions, load_model
 
 IMG, VID, VSTART, VEND = 290, 291, 292, 293

@@ -72,7 +72,7 @@ def test_the_parts_equal_the_whole(tiny_qwen2_vl):
 def test_packed_linear_weights_are_counted(tiny_qwen2_vl):
     """Workers pack fp32 linear layers on the CPU (the dense parameter is left empty): the
     measured bytes must count the packed copies, or every worker would look weightless."""
-    from triptych.kernels.cpu_linear import available
+    from triptych.kernels.cpu.linear import available
 
     if not available():
         pytest.skip("no oneDNN packed linear in this torch build")

@@ -21,7 +21,7 @@ sizes it to TRIM_FACTOR x what the steps then fault back in (``StepTrim``), capp
 TRIM_CEILING: a decode step's few MB stay mapped, a rare huge prefill's peak goes back.
 The API process runs no steps and keeps glibc's defaults (``steps=False``).
 
-oneDNN's caches (the packed CPU GEMMs, kernels/cpu_linear.py) are bounded here too: ideep's
+oneDNN's caches (the packed CPU GEMMs, kernels/cpu/linear.py) are bounded here too: ideep's
 LRU of computations and oneDNN's primitive cache hold one entry per input shape, 1,024 by
 default, a few hundred KB each. A prefill worker sees a new token count almost every step
 and kept ~300 MB more after 1,500 requests, still growing (docs/performance.md);

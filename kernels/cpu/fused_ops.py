@@ -19,7 +19,8 @@ import logging
 import os
 
 import torch
-from triptych.kernels import cpu_build, torch_ref
+from triptych.kernels import torch_ref
+from triptych.kernels.cpu import build as cpu_build
 
 logger = logging.getLogger("triptych.cpu_fused_ops")
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triptych.kernels.triton_common import (
+from triptych.kernels.triton.common import (
     attend_tile, check_cache, check_tensors, interpreting, num_sms, pad_dim, require, upcast)
 
 MAX_PARTITION = 4096  # tokens: a long sequence among short ones is not left as the tail

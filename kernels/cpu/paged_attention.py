@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from triptych.kernels import cpu_build
+from triptych.kernels.cpu import build as cpu_build
 
 logger = logging.getLogger("triptych.cpu_attention")
 

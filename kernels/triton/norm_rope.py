@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triptych.kernels.triton_common import check_tensors, require
+from triptych.kernels.triton.common import check_tensors, require
 
 
 @triton.jit

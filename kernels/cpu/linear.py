@@ -15,7 +15,7 @@ the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
                           (symmetric), x quantized per call to uint8 (per tensor), int32
                           accumulation, fp32 out
 
-fp32 on an AVX-512 CPU runs our panel GEMM (``kernels/cpu_panel_gemm.py``) instead of
+fp32 on an AVX-512 CPU runs our panel GEMM (``kernels/cpu/panel_gemm.py``) instead of
 oneDNN for calls above the GEMV's rows (its panels replace oneDNN's packed copy;
 ``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps oneDNN). No fp32 copy of a 16- or 8-bit weight is
 ever made. The LM head packs its own copy
@@ -51,7 +51,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.kernels import cpu_gemv, cpu_panel_gemm
+from triptych.kernels.cpu import gemv as cpu_gemv
+from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
 
 logger = logging.getLogger("triptych.cpu_linear")
 
@@ -68,7 +69,7 @@ MIN_FLOPS_PASSIVE = 8e6
 MIN_FLOPS_SPINNING = 2e6
 MIN_BYTES_PASSIVE = 2 << 20  # weight bytes one more thread must read to pay its wake-up
 MIN_BYTES_SPINNING = 1 << 20
-# Calls of at most this many rows go to the GEMV kernel (kernels/cpu_gemv.py) on a
+# Calls of at most this many rows go to the GEMV kernel (kernels/cpu/gemv.py) on a
 # row-major copy of the weight. End to end (bench LM, CPU time per token): fp32 b1 0.55x,
 # b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 (VNNI) b1 0.81x, b2 0.81x; fp16 b1 1.05x, so
 # fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
@@ -77,7 +78,7 @@ MIN_BYTES_SPINNING = 1 << 20
 # a quiet host a batch-1 fp32 decode was 1.14-1.19x llama.cpp with the panels and
 # 0.90-0.97x with the GEMV (same runs; docs/performance.md, "Issue 22, third round").
 GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
-# Formats whose calls above the GEMV's rows go to the panel GEMM (kernels/cpu_panel_gemm.py)
+# Formats whose calls above the GEMV's rows go to the panel GEMM (kernels/cpu/panel_gemm.py)
 PANEL_FORMATS = ("float32",)
 
 
@@ -156,7 +157,7 @@ class CpuGemm:
         b = None if bias is None else bias.detach().float().contiguous()
         self.bias: torch.Tensor | None = None
         # fp32 on AVX-512: our panel GEMM replaces oneDNN's packed weight (same bytes;
-        # kernels/cpu_panel_gemm.py). bf16 stays on oneDNN: its AVX512-BF16 GEMM ran as fast
+        # kernels/cpu/panel_gemm.py). bf16 stays on oneDNN: its AVX512-BF16 GEMM ran as fast
         # at batch 32 and faster on prefills (docs/performance.md, "Batch 32")
         self.panels: torch.Tensor | None = None
         self.panel_bias = b

@@ -18,7 +18,7 @@ import logging
 import os
 
 import torch
-from triptych.kernels import cpu_build
+from triptych.kernels.cpu import build as cpu_build
 
 logger = logging.getLogger("triptych.cpu_gemv")
 

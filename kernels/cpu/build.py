@@ -1,4 +1,4 @@
-"""Build a C++ torch operator library from kernels/csrc/ on first use, once per machine.
+"""Build a C++ torch operator library from kernels/cpu/csrc/ on first use, once per machine.
 
 ``load_library("cpu_paged_attention")`` compiles ``csrc/cpu_paged_attention.cpp`` with the
 host's g++ (``-O3 -march=native -fopenmp``, against the installed torch's headers and

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triptych.kernels.triton_common import (
+from triptych.kernels.triton.common import (
     attend_tile, check_cache, check_tensors, interpreting, pad_dim, require, upcast)
 
 

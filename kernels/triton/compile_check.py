@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a CUDA target without a GPU (Triton's own ptxas).
 
-    python -m triptych.kernels.compile_check --arch 90 --dtypes bf16,fp16,fp32
+    python -m triptych.kernels.triton.compile_check --arch 90 --dtypes bf16,fp16,fp32
 
 Catches what the CPU interpreter cannot: layout and dot-shape constraints, dtype rules,
 register/shared-memory limits of the real backend. Must run without TRITON_INTERPRET
@@ -16,18 +16,18 @@ import time
 # Per kernel: the constexpr values of one typical launch (7B-like: 32 heads, 8 KV heads,
 # head_dim 128, block 16). Pointer and scalar types are derived from argument names.
 _LAUNCHES = {
-    "triptych.kernels.triton_cache:_reshape_and_cache_kernel": dict(ROW=1024, BLOCK=1024),
-    "triptych.kernels.triton_decode_attention:_decode_split_kernel": dict(
+    "triptych.kernels.triton.cache:_reshape_and_cache_kernel": dict(ROW=1024, BLOCK=1024),
+    "triptych.kernels.triton.decode_attention:_decode_split_kernel": dict(
         G=4, BLOCK_H=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, ONE_SPLIT=False,
         UPCAST=None),
-    "triptych.kernels.triton_decode_attention:_decode_reduce_kernel": dict(
+    "triptych.kernels.triton.decode_attention:_decode_reduce_kernel": dict(
         D=128, D_PAD=128, S_BLOCK=16),
-    "triptych.kernels.triton_prefill_attention:_prefill_kernel": dict(
+    "triptych.kernels.triton.prefill_attention:_prefill_kernel": dict(
         G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, UPCAST=None),
-    "triptych.kernels.triton_prefill_attention:_varlen_kernel": dict(
+    "triptych.kernels.triton.prefill_attention:_varlen_kernel": dict(
         D=80, D_PAD=128, BLOCK_M=64, BLOCK_N=64, UPCAST=None),
-    "triptych.kernels.triton_norm_rope:_rms_norm_kernel": dict(N=4096, BLOCK=4096, HAS_RES=True),
-    "triptych.kernels.triton_norm_rope:_mrope_kernel": dict(
+    "triptych.kernels.triton.norm_rope:_rms_norm_kernel": dict(N=4096, BLOCK=4096, HAS_RES=True),
+    "triptych.kernels.triton.norm_rope:_mrope_kernel": dict(
         NH=32, HALF=64, HALF_PAD=64, NH_PAD=32, S0=16, S1=24),
 }
 _INT32_PTRS = {"bt_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_ptr"}
