@@ -71,14 +71,24 @@ class ModelRunner:
                  device: torch.device, ops: SimpleNamespace, seed: int = 0) -> None:
         self.model, self.encoder, self.ops = model, encoder, ops
         self.block_size, self.device, self.dtype = block_size, device, dtype
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(num_layers)]
+        self._kv_layout = (num_layers, block_size, num_kv_heads, head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed)
         self.batch = InputBatch(block_size)
         self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
         self.greedy_step = False  # this step's rows all plain greedy (execute sets it)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the paged KV cache with ``num_blocks`` blocks per layer, freeing the
+        old one first (a profile run sizes the real cache after running on a small one).
+        Only between steps: block ids held by requests refer to the old cache."""
+        num_layers, block_size, num_kv_heads, head_dim = self._kv_layout
+        self.kv_caches = []  # NOTE: drop the old tensors before allocating the new ones
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(num_layers)]
 
     def positions_for(self, req: Request, start: int, end: int) -> torch.Tensor:
         """[3, end-start] M-RoPE positions; tokens past the prompt are text (index + delta)."""
