@@ -3,9 +3,10 @@
 What differs from the Qwen defaults: 1-D positions (the same id on all three rows, delta
 0); an image is its tiles, wrapped as ``<img>`` + ``<IMG_CONTEXT>`` x N + ``</img>`` (the
 template writes one ``<IMG_CONTEXT>``, the processor glue expands it and adds the
-wrappers); the image processor is GotOcr2's (dynamic crops + thumbnail), whose tiling
-settings go into every image's key. Images only; under TP only the language model is
-sharded.
+wrappers); the image processor is GotOcr2's, always with dynamic crops (a grid of tiles of
+the aspect ratio nearest the image's, within min/max_patches, plus a thumbnail when there
+is more than one), whose tiling settings go into every image's key. Images only; under TP
+only the language model is sharded.
 """
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from typing import Any
 
 import torch
 from triptych.models.contract import ModelContract
+
+# NOTE: HF's InternVLProcessor passes crop_to_patches=True to the image processor on every
+# call, while the hub's InternVL-HF checkpoints store "crop_to_patches": false in
+# preprocessor_config.json. HF's processor is the reference, so the crop is always on, and
+# the key records this value, not the file's.
+CROP_TO_PATCHES = True
 
 
 class InternVLContract(ModelContract):
@@ -54,7 +61,7 @@ class InternVLContract(ModelContract):
 
     def image_hash_kwargs(self, ip: Any) -> dict[str, Any]:
         return {"class": type(ip).__name__, "size": dict(ip.size),
-                "crop_to_patches": bool(ip.crop_to_patches), "min_patches": ip.min_patches,
+                "crop_to_patches": CROP_TO_PATCHES, "min_patches": ip.min_patches,
                 "max_patches": ip.max_patches, "mean": list(ip.image_mean),
                 "std": list(ip.image_std), "rescale": ip.rescale_factor,
                 "resample": int(ip.resample),
@@ -65,7 +72,8 @@ class InternVLContract(ModelContract):
                          ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         from triptych.models.internvl import patchify
 
-        tiles = ip(images=[img], return_tensors="pt")["pixel_values"]
+        tiles = ip(images=[img], crop_to_patches=CROP_TO_PATCHES,
+                   return_tensors="pt")["pixel_values"]
         p = hf.vision_config.patch_size
         p = p[0] if isinstance(p, (list, tuple)) else p
         g = tiles.shape[-1] // p

@@ -56,9 +56,11 @@ Une phrase en français, eine deutsche Zeile, una frase en español, 日本語�
 
 
 def _train_tokenizer(vocab_size: int, specials: list[str] | None = None,
-                     template: str = CHAT_TEMPLATE) -> Any:
+                     template: str = CHAT_TEMPLATE, named: dict[str, str] | None = None) -> Any:
     """A byte-level BPE trained on the corpus above, plus ``specials`` (default: the
-    Qwen vision tokens) as added special tokens, with ``template`` as its chat template."""
+    Qwen vision tokens) as added special tokens, with ``template`` as its chat template.
+    ``named``: model-specific special tokens the tokenizer exposes by name (a real
+    checkpoint's ``extra_special_tokens``, e.g. InternVL's ``start_image_token``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +76,8 @@ def _train_tokenizer(vocab_size: int, specials: list[str] | None = None,
                            for t in specials or SPECIAL_TOKENS])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None,
-                                  model_max_length=32768)
+                                  model_max_length=32768,
+                                  **({"extra_special_tokens": named} if named else {}))
     tok.chat_template = template
     return tok
 
@@ -175,8 +178,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "make-tiny", help="write a tiny random HF-format checkpoint (tests, demos)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Write a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with random weights, a locally "
-                    "trained BPE tokenizer and processor configs. Nothing is downloaded.")
+        description="Write a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL checkpoint with random "
+                    "weights, a locally trained BPE tokenizer and processor configs. Nothing "
+                    "is downloaded.")
     from triptych.models.contract import contract_names
 
     p.add_argument("--arch", choices=contract_names(), default="qwen2_vl",
