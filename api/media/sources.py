@@ -92,13 +92,34 @@ def local_file(path: str, limits: MediaLimits, max_bytes: int) -> bytes:
 
 
 # -- http(s) --------------------------------------------------------------------------------
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: IPv4 in the last 32 bits
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: a site's own, never public
+_V4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d (also :: and ::1)
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a media fetch may connect to ``ip``. An IPv6 address that carries an IPv4
+    one (``::ffff:a.b.c.d``, NAT64 ``64:ff9b::a.b.c.d``, 6to4 ``2002:AABB:CCDD::``,
+    ``::a.b.c.d``) is judged by the IPv4 address it reaches: ``ipaddress`` calls
+    ``64:ff9b::a00:1`` global though a NAT64 gateway takes it to 10.0.0.1. Teredo
+    (2001::/32) tunnels to any IPv4 client and local-use NAT64 prefixes stay inside a
+    site: both refused."""
+    if ip.version == 6:
+        if ip.teredo is not None or ip in _NAT64_LOCAL:
+            return False
+        inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and (ip in _NAT64 or ip in _V4_COMPATIBLE):
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if inner is not None:
+            return is_public(inner)
+    return ip.is_global and not ip.is_multicast
+
+
 def _vetted_address(infos: list, check: bool) -> str:
     """One address of a host's ``infos``; with ``check``, every address must be public."""
     addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     for ip in addrs:
-        mapped = ip.ipv4_mapped if ip.version == 6 else None  # ::ffff:127.0.0.1 is loopback
-        ip = mapped or ip
-        if check and (not ip.is_global or ip.is_multicast):
+        if check and not is_public(ip):
             raise MediaError("media URL resolves to a private or reserved address")
     if not addrs:
         raise MediaError("media URL host cannot be resolved")
