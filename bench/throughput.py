@@ -1,14 +1,15 @@
-"""`triptych bench throughput | serve | multiturn | ocr | cpu-decode | soak | peer`.
+"""`triptych bench throughput | serve | multiturn | ocr | cpu-decode | soak | peer | floor | gpu`.
 
 throughput: the same N image+prompt requests through triptych and through plain HF
-transformers `generate` (padded static batches), same checkpoint, dtype and threads, in
-one process, in alternating rounds (HF, triptych, HF, ...; fresh images every round so no
+transformers `generate` (padded static batches), same checkpoint, threads, device and
+compute dtype (the engine's: HF follows it onto a GPU and into bf16), in one process, in alternating rounds (HF, triptych, HF, ...; fresh images every round so no
 cache carries over); prints each round, the medians and their ratio. ``--profile`` adds
 where a triptych step's time goes; ``--busy-host`` runs a spinning process meanwhile.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import subprocess
@@ -31,6 +32,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 OCR_FLAGS: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4,
                              "num_kv_heads": 2, "vision_depth": 2, "vision_embed_dim": 64,
                              "vision_heads": 2, "vocab_size": 8000, "model_vocab_size": 8000}
+
+
+# `bench <name>` -> the module holding its add_parser / run (throughput itself is here)
+SUBCOMMANDS = {"serve": "serve", "multiturn": "multiturn", "cpu-decode": "cpu_decode",
+               "ocr": "ocr", "soak": "soak", "peer": "peer", "floor": "decode_floor"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -68,43 +74,18 @@ def add_parser(subparsers: Any) -> None:
                    help="run a CPU-spinning process during the rounds (a noisy neighbour)")
     t.add_argument("--seed", type=int, default=0, help="seed of the images")
     t.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
-    t.add_argument("--dtype", default="auto", help="triptych --dtype (on the CPU, bfloat16 / "
-                   "float16: 16-bit linear weights; HF stays fp32)")
+    t.add_argument("--dtype", default="auto", help="triptych --dtype; HF runs in the engine's "
+                   "compute dtype (on the CPU, bfloat16 / float16 are 16-bit linear weights "
+                   "under fp32 activations: HF stays fp32)")
     t.add_argument("--quantization", default=None, help="triptych --quantization (int8: 8-bit "
                    "linear weights on the CPU; HF stays fp32)")
-    from triptych.bench import cpu_decode as bench_cpu_decode
-    from triptych.bench import multiturn as bench_multiturn
-    from triptych.bench import ocr as bench_ocr
-    from triptych.bench import peer as bench_peer
-    from triptych.bench import serve as bench_serve
-    from triptych.bench import soak as bench_soak
-    bench_serve.add_parser(sub)
-    bench_multiturn.add_parser(sub)
-    bench_cpu_decode.add_parser(sub)
-    bench_ocr.add_parser(sub)
-    bench_soak.add_parser(sub)
-    bench_peer.add_parser(sub)
+    for name in SUBCOMMANDS.values():
+        importlib.import_module(f"triptych.bench.{name}").add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench_command == "serve":
-        from triptych.bench import serve as bench_serve
-        return bench_serve.run(args)
-    if args.bench_command == "cpu-decode":
-        from triptych.bench import cpu_decode as bench_cpu_decode
-        return bench_cpu_decode.run(args)
-    if args.bench_command == "soak":
-        from triptych.bench import soak as bench_soak
-        return bench_soak.run(args)
-    if args.bench_command == "peer":
-        from triptych.bench import peer as bench_peer
-        return bench_peer.run(args)
-    if args.bench_command == "multiturn":
-        from triptych.bench import multiturn as bench_multiturn
-        return bench_multiturn.run(args)
-    if args.bench_command == "ocr":
-        from triptych.bench import ocr as bench_ocr
-        return bench_ocr.run(args)
+    if args.bench_command in SUBCOMMANDS:
+        return importlib.import_module(f"triptych.bench.{SUBCOMMANDS[args.bench_command]}").run(args)
     return run_throughput(args)
 
 
@@ -152,9 +133,13 @@ def run_throughput(args: argparse.Namespace) -> int:
     sp = SamplingParams(temperature=0.0, max_tokens=w["output_len"], ignore_eos=True)
     warm = inputs(-1)[:1]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    hf = None if args.skip_hf else _HF(w["model"], args.hf_batch_size, w["output_len"], warm)
+    # HF on the engine's device and in its dtype (on the CPU with 16-bit weights the engine
+    # computes in fp32, and so does HF)
+    hf = None if args.skip_hf else _HF(w["model"], args.hf_batch_size, w["output_len"], warm,
+                                       llm.engine.device, llm.engine.dtype)
     res: dict[str, Any] = {"preset": args.preset, **w, "threads": threads,
                            "attention_backend": llm.engine.attention_backend,
+                           "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
                            "hf_batch_size": args.hf_batch_size, "busy_host": args.busy_host,
                            "machine": machine(), "rounds": []}
     prof = None
@@ -231,19 +216,29 @@ def _profile(llm: Any, prof: Any, processed: list[Any], sp: Any) -> dict[str, An
 class _HF:
     """Plain HF generate over padded static batches of the same processed inputs."""
 
-    def __init__(self, model_dir: str, batch_size: int, output_len: int, warm: list[Any]) -> None:
+    def __init__(self, model_dir: str, batch_size: int, output_len: int, warm: list[Any],
+                 device: Any = "cpu", dtype: Any = None) -> None:
         import torch
         from transformers import AutoTokenizer
-        from triptych.models.hf_oracle import hf_inputs, load_hf_model, no_eos
+        from triptych.models.hf_oracle import load_hf_model, no_eos
 
-        self.model = load_hf_model(model_dir)
+        self.model = load_hf_model(model_dir, dtype or torch.float32).to(device)
+        self.device = torch.device(device)
         no_eos(self.model)
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.batch_size, self.hf_inputs = batch_size, hf_inputs
+        self.batch_size = batch_size
         self.gen = {"max_new_tokens": output_len, "do_sample": False, "pad_token_id": self.pad}
         with torch.inference_mode():
-            self.model.generate(**hf_inputs(warm, self.pad, self.model.config), **{**self.gen, "max_new_tokens": 2})
+            self.model.generate(**self.inputs(warm), **{**self.gen, "max_new_tokens": 2})
+
+    def inputs(self, processed: list[Any]) -> dict[str, Any]:
+        """The left-padded batch on the model's device; pixels in its dtype."""
+        from triptych.models.hf_oracle import hf_inputs
+
+        inp = hf_inputs(processed, self.pad, self.model.config)
+        return {k: v.to(self.device, self.model.dtype) if k.startswith("pixel_values")
+                else v.to(self.device) for k, v in inp.items()}
 
     def run(self, processed: list[Any]) -> float:
         """Output tokens per second over all of ``processed``."""
@@ -254,7 +249,7 @@ class _HF:
             n_out = 0
             for i in range(0, len(processed), self.batch_size):
                 chunk = processed[i:i + self.batch_size]
-                inp = self.hf_inputs(chunk, self.pad, self.model.config)
+                inp = self.inputs(chunk)
                 out = self.model.generate(**inp, **self.gen)
                 n_out += (out.shape[1] - inp["input_ids"].shape[1]) * len(chunk)
-        return n_out / (time.perf_counter() - t0)
+        return n_out / (time.perf_counter() - t0)  # generate returns ids on the host side
