@@ -1,8 +1,11 @@
-"""The engine against the oracle: HF transformers' own model on the same tiny checkpoint.
+"""The engine against the oracle: HF transformers end to end on the same tiny checkpoint.
 
-Greedy token ids must be equal and top-5 logprobs close, for every feature that can
-change outputs: batching, chunked prefill inside an image span, prefix caching (and the
-mm-hash guard), preemption, Qwen2.5-VL's window attention.
+The oracle runs HF's own processor (Qwen2VLProcessor / Qwen2_5_VLProcessor) on the raw
+messages and images, then HF's generate (models/hf_oracle.py): prompts must be equal,
+greedy token ids equal and top-5 logprobs close, for images of the shapes users send
+(non-square, smaller than the minimum, large enough to be resized, several per prompt)
+and every feature that can change outputs: batching, chunked prefill inside an image
+span, prefix caching (and the mm-hash guard), preemption, Qwen2.5-VL's window attention.
 """
 from __future__ import annotations
 
@@ -13,18 +16,27 @@ import pytest
 from PIL import Image
 
 from triptych import LLM, SamplingParams
-from triptych.models.hf_oracle import hf_greedy, load_hf_model
+from triptych.models.hf_oracle import hf_chat_greedy, load_hf_model, load_hf_processor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import image_chat as chat  # noqa: E402
 from server_fixtures import img as image  # noqa: E402
 
 MAX_TOKENS = 6
+# Qwen2-VL's processor: 28-pixel cells, 56 x 56 to 448 x 448 pixels' worth (the tiny
+# checkpoint's min_pixels is the hub's, max_pixels scaled down)
+USER_IMAGES = {
+    "photo": chat("What is in this picture?", image(30, 336, 252)),  # 4:3, kept
+    "small": chat("Read this icon.", image(31, 30, 20)),  # resized up to the minimum
+    "large": chat("Describe.", image(32, 640, 480)),  # resized down into max_pixels
+    "several": chat("Compare them.", image(33, 120, 90), image(34, 50, 300), image(35, 448, 448)),
+}
 
 
 @pytest.fixture(scope="module")
 def oracle(tiny_qwen2_vl):
-    return load_hf_model(tiny_qwen2_vl)
+    """HF end to end: its processor class and its model on the checkpoint."""
+    return load_hf_processor(tiny_qwen2_vl), load_hf_model(tiny_qwen2_vl)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +48,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def assert_matches_oracle(llm: LLM, hf, conv: list[dict], out, max_tokens: int = MAX_TOKENS):
-    processed = llm.processor.process_chat(conv)
-    assert out.prompt_token_ids == processed.prompt_token_ids
-    tokens, tops = hf_greedy(hf, processed, max_tokens, llm.get_tokenizer().pad_token_id or 0)
+    """``out`` (ours for ``conv``) against HF's processor + generate on the raw ``conv``."""
+    prompt, tokens, tops = hf_chat_greedy(hf[1], hf[0], conv, max_tokens)
+    assert out.prompt_token_ids == prompt
     got = out.outputs[0]
     assert got.token_ids == tokens
     if got.logprobs is not None:
@@ -65,6 +77,12 @@ def test_two_images_of_different_sizes(llm, oracle):
     (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
     assert len(llm.processor.process_chat(conv).mm_items) == 2
     assert_matches_oracle(llm, oracle, conv, out)
+
+
+@pytest.mark.parametrize("name", list(USER_IMAGES))
+def test_images_of_the_shapes_users_send(llm, oracle, name):
+    (out,) = llm.chat(USER_IMAGES[name], GREEDY, use_tqdm=False)
+    assert_matches_oracle(llm, oracle, USER_IMAGES[name], out)
 
 
 def test_sixteen_mixed_requests_batched(tiny_qwen2_vl, oracle):
@@ -127,11 +145,13 @@ def test_preemption_keeps_outputs(tiny_qwen2_vl, oracle):
 
 
 def test_qwen2_5_vl_window_attention(tiny_qwen2_5_vl):
-    hf = load_hf_model(tiny_qwen2_5_vl)
+    hf = load_hf_processor(tiny_qwen2_5_vl), load_hf_model(tiny_qwen2_5_vl)
     llm = LLM(tiny_qwen2_5_vl, block_size=4)
-    # 224x224 -> 16x16 patches: several 112-pixel attention windows.
+    # 224x224 -> 16x16 patches: several 112-pixel attention windows; windows cut unevenly
+    # through a non-square photo and a resized large image
     for conv in (chat("Describe this.", image(6, 224, 224)),
                  chat("Two:", image(7, 56, 112), image(8, 140, 84)),
+                 *USER_IMAGES.values(),
                  [{"role": "user", "content": "Only text here."}]):
         (out,) = llm.chat(conv, GREEDY, use_tqdm=False)
         assert_matches_oracle(llm, hf, conv, out)

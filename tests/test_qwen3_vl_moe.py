@@ -1,10 +1,13 @@
-"""Qwen3-VL-MoE against HF transformers on a tiny `make-tiny --arch qwen3_vl_moe` checkpoint.
+"""Qwen3-VL-MoE against HF transformers end to end on a tiny `make-tiny --arch qwen3_vl_moe`
+checkpoint: HF's own processor on the raw messages and images, then HF's generate.
 
 The tiny model has one sparse layer (4 experts, top 2) and one dense layer, DeepStack and
 an explicit head_dim. The fused experts path (sort by expert, one GEMM pair per expert
 over its contiguous slice) must equal HF's experts; the hub's transposed expert layout
-loads to the same model. Greedy ids equal HF's for text, one and two images, multi-turn
-with prefix hits, chunked prefill, 1e1p1d, E+PD and TP=2 in both encoder modes.
+loads to the same model. Prompts and greedy ids equal HF's for text, one and two images,
+a 4:3 photo, an icon below the minimum, a photo large enough to be resized, several images
+in one prompt, multi-turn with prefix hits, chunked prefill, 1e1p1d, E+PD and TP=2 in both
+encoder modes.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 
 from triptych import LLM, SamplingParams
 from triptych.models.fused_moe import fused_experts, route
-from triptych.models.hf_oracle import hf_greedy, load_hf_model
+from triptych.models.hf_oracle import hf_chat_greedy, load_hf_model, load_hf_processor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from server_fixtures import image_chat as chat  # noqa: E402
@@ -28,7 +31,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
 KNOBS = {"block_size": 4, "kv_cache_memory": "64MiB", "max_model_len": 512}
 CONVS = {"text": [{"role": "user", "content": "Tell me a story about a cat."}],
          "one-image": chat("What is in this picture?", image(1, 56, 56)),
-         "two-images": chat("Compare these.", image(2, 56, 84), image(3, 112, 56))}
+         "two-images": chat("Compare these.", image(2, 56, 84), image(3, 112, 56)),
+         # 32-pixel cells, 64 x 64 to 512 x 512 pixels' worth
+         "photo": chat("What is in this picture?", image(40, 336, 252)),
+         "small": chat("Read this icon.", image(41, 30, 20)),
+         "large": chat("Describe.", image(42, 800, 600)),
+         "several": chat("Compare them.", image(43, 120, 90), image(44, 50, 300),
+                         image(45, 512, 384))}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +49,8 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def oracle(tiny):
-    return load_hf_model(tiny)
+    """HF end to end: its processor class and its model on the checkpoint."""
+    return load_hf_processor(tiny), load_hf_model(tiny)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +59,10 @@ def llm(tiny):
 
 
 def hf_ids(llm: LLM, hf, conv: list[dict]) -> list[int]:
-    p = llm.processor.process_chat(conv)
-    return hf_greedy(hf, p, GREEDY.max_tokens, llm.get_tokenizer().pad_token_id or 0)[0]
+    """HF's greedy ids for ``conv``, after checking our prompt is HF's processor's."""
+    prompt, tokens, _ = hf_chat_greedy(hf[1], hf[0], conv, GREEDY.max_tokens)
+    assert llm.processor.process_chat(conv).prompt_token_ids == prompt
+    return tokens
 
 
 def test_the_model_has_sparse_and_dense_layers(llm):
@@ -90,7 +102,8 @@ def test_multi_turn_and_prefix_hits_across_turns(llm, oracle):
 def test_pool_layouts(tiny, oracle, llm, layout):
     """The DeepStack payload goes encode -> the prefilling worker, which runs the fused
     experts; chunks of 16 cut the last image's span."""
-    convs = [*CONVS.values(), chat("Describe.", image(4, 128, 128))]
+    convs = [CONVS[n] for n in ("text", "one-image", "several")]
+    convs.append(chat("Describe.", image(4, 128, 128)))
     want = [hf_ids(llm, oracle, c) for c in convs]
     pools = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, **layout)
     try:
@@ -102,7 +115,7 @@ def test_pool_layouts(tiny, oracle, llm, layout):
 
 def test_fused_experts_equal_hf_experts(oracle):
     """Random tokens through layer 0's experts: ours (sorted, grouped) and HF's loop."""
-    block = oracle.model.language_model.layers[0].mlp
+    block = oracle[1].model.language_model.layers[0].mlp
     torch.manual_seed(0)
     x = torch.randn(37, block.gate.weight.shape[1])
     with torch.no_grad():
@@ -135,7 +148,7 @@ def test_hub_layout_of_the_experts_loads_the_same(tiny, llm, tmp_path):
 def test_tensor_parallel_two_ranks(tiny, oracle, llm, mode):
     """TP=2: each rank holds half of every expert's intermediate dim; one all-reduce; the
     tower sharded ("weights") or the images split across ranks ("data")."""
-    convs = list(CONVS.values())
+    convs = [CONVS[n] for n in ("text", "one-image", "two-images", "several")]
     want = [hf_ids(llm, oracle, c) for c in convs]
     two = LLM(tiny, **{**KNOBS, "max_num_batched_tokens": 16}, tensor_parallel_size=2,
               mm_encoder_tp_mode=mode)
