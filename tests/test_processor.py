@@ -6,7 +6,6 @@ import copy
 import io
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,24 +34,22 @@ def proc(tiny_qwen2_vl) -> InputProcessor:
                           media_limits=MediaLimits(), max_model_len=4096)
 
 
-def hf_reference(proc: InputProcessor, messages: list[dict], images: list[Image.Image]):
-    """What HF's Qwen2VLProcessor computes: chat template, image processor, and each
-    <|image_pad|> replaced by its own `replace_image_token` (the processor object itself
-    cannot be built without torchvision, see models/tiny.py)."""
-    from transformers import Qwen2VLProcessor
+@pytest.fixture(scope="module")
+def hf_processor(tiny_qwen2_vl):
+    from triptych.models.hf_oracle import load_hf_processor
 
-    tok, ip = proc.tokenizer, proc.image_processor
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = ip(images=images, return_tensors="pt")
-    stub = SimpleNamespace(image_processor=ip, image_token="<|image_pad|>")
-    pieces = text.split("<|image_pad|>")
-    assert len(pieces) == len(images) + 1
-    text = pieces[0] + "".join(Qwen2VLProcessor.replace_image_token(stub, out, image_idx=i) + p
-                               for i, p in enumerate(pieces[1:]))
-    return tok(text)["input_ids"], out["pixel_values"], out["image_grid_thw"]
+    return load_hf_processor(tiny_qwen2_vl)
 
 
-def test_chat_matches_hf_processing(proc):
+def hf_reference(hf_processor, messages: list[dict], images: list[Image.Image]):
+    """What HF's own Qwen2VLProcessor makes of the messages (its chat template) and the
+    raw images: input ids, pixel values, grids."""
+    text = hf_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = hf_processor(text=[text], images=images, return_tensors="pt")
+    return out["input_ids"][0].tolist(), out["pixel_values"], out["image_grid_thw"]
+
+
+def test_chat_matches_hf_processing(proc, hf_processor):
     a, b, c = img(1, 84, 56), img(2, 224, 224), img(3, 50, 70)  # c is resized (smart_resize)
     messages = [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(a)}},
@@ -62,7 +59,7 @@ def test_chat_matches_hf_processing(proc):
                                      {"type": "image", "image": b},
                                      {"type": "image_url", "image_url": png_url(c)}]}]
     p = proc.process_chat(messages)
-    ids, pv, grid = hf_reference(proc, messages, [a, b, c])
+    ids, pv, grid = hf_reference(hf_processor, messages, [a, b, c])
     assert p.prompt_token_ids == ids
     assert [it.grid_thw for it in p.mm_items] == [tuple(g) for g in grid.tolist()]
     assert torch.equal(torch.cat([it.pixel_values for it in p.mm_items]), pv)
