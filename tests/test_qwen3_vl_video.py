@@ -1,7 +1,10 @@
 """Qwen3-VL video against HF transformers: its processor's layout and its model's tokens.
 
-HF's Qwen3VLVideoProcessor needs torchvision, so the project patchifies videos itself
-(api/media/video.py) and builds the prompt as Qwen3VLProcessor does: per temporal group,
+NOTE: not HF end to end, unlike the image oracles (models/hf_oracle.hf_chat_greedy):
+HF's Qwen3VLVideoProcessor resizes with torchvision (a NameError on `tvF` without it), and
+PyPI's torchvision wheels are built for CUDA torch, so they fail to import beside the CPU
+wheel these machines run. So the project patchifies videos itself (api/media/video.py)
+and builds the prompt as Qwen3VLProcessor does: per temporal group,
 "<t seconds><|vision_start|>" + the group's video tokens + "<|vision_end|>". Here HF's own
 code is the reference for each piece it can run without torchvision (the clip's
 smart_resize, the patchify, the placeholder string with its timestamps), and HF's
