@@ -4,8 +4,10 @@
       -> {"pool", "workers", "added": [names], "draining": [names]}
 
 New workers take requests once they are up; removed ones finish (or hand over) what they
-hold first (router/elastic.py). Behind the API key like every endpoint but /health, /ping
-and /version when keys are configured.
+hold first (router/elastic.py). A grow the host (or Ray cluster) has no room for is a 409.
+
+Operator endpoints: they take the admin key only (``--admin-api-key-file``; api/tenancy.py's
+AuthMiddleware refuses a tenant's key with 403) and are off without one.
 """
 from __future__ import annotations
 
@@ -38,7 +40,11 @@ def add_admin_routes(app: FastAPI, client: Any) -> None:
         workers = body.get("workers")
         if not isinstance(workers, int) or isinstance(workers, bool):
             raise bad_request("workers", "workers: an integer")
+        from triptych.router.elastic import NoRoom
+
         try:
             return await client.resize_pool(body["pool"], workers)
+        except NoRoom as e:
+            raise APIError(409, str(e), "conflict_error", "workers") from None
         except ValueError as e:
             raise bad_request("workers" if "workers" in str(e) else "pool", str(e)) from None

@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> None:
                         "user): each tenant's uuids and prefix cache are its own")
     t.add_argument("--protect-metrics", action="store_true",
                    help="/metrics needs an API key too")
+    t.add_argument("--admin-api-key-file", default=None,
+                   help="file holding the operator's key (one line; mode 600, owned by this "
+                        "user): it alone opens /admin/* (pool resizing) and /health's "
+                        "detail, and is no tenant's key (default: none, admin endpoints "
+                        "off)")
+    t.add_argument("--admin-api-key", default=None,
+                   help="the operator's key on the command line (SGLang's flag; other local "
+                        "users can read a command line: prefer --admin-api-key-file)")
     lim = p.add_argument_group("limits (each refusal names its flag)")
     lim.add_argument("--max-pending-requests", type=int, default=256,
                      help="engine requests in flight beyond which new ones get 429 + "
@@ -154,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tenants(args: argparse.Namespace) -> Any:
-    from triptych.api.tenancy import KeyFileError, Tenants, read_keys_file
+    from triptych.api.tenancy import (
+        KeyFileError,
+        Tenants,
+        read_admin_key_file,
+        read_keys_file,
+    )
     from triptych.cli import fail
 
     key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY")
@@ -166,7 +179,18 @@ def _tenants(args: argparse.Namespace) -> Any:
         fail("--api-key is also listed in --api-keys-file (one key, one tenant)")
     if args.protect_metrics and not (key or keys):
         fail("--protect-metrics needs --api-key or --api-keys-file")
-    return Tenants([key] if key else [], keys)
+    admin = getattr(args, "admin_api_key", None)
+    if getattr(args, "admin_api_key_file", None):
+        if admin is not None:
+            fail("give --admin-api-key or --admin-api-key-file, not both")
+        try:
+            admin = read_admin_key_file(args.admin_api_key_file)
+        except KeyFileError as e:
+            fail(str(e))
+    if admin is not None and (not admin.strip() or admin == key or admin in keys):
+        fail("the admin key must be non-empty and no tenant's key (--api-key, "
+             "--api-keys-file): admin is not a tenant")
+    return Tenants([key] if key else [], keys, admin_key=admin)
 
 
 def served_model(args: argparse.Namespace, model: str | None) -> tuple[str, str]:

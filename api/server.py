@@ -37,7 +37,7 @@ from triptych.api.processor import InputProcessor
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import ServerLimits
 from triptych.api.serving import Admission, Generation, Job, Responder, Slots
-from triptych.api.tenancy import AuthMiddleware, Tenants, tenant_of
+from triptych.api.tenancy import AuthMiddleware, Tenants, sees_detail, tenant_of
 
 logger = logging.getLogger("triptych.api")
 _TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "json_invalid"}
@@ -141,13 +141,17 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     add_admin_routes(app, client)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(raw: Request) -> JSONResponse:
         h = client.health()  # degraded (some workers down, every pool served) is still 200
-        return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
+        code = 503 if h["status"] == "unavailable" else 200
+        if not sees_detail(raw.scope, config.tenants):  # pids, errors, nodes: operator's
+            h = {"status": "ok" if code == 200 else "unavailable"}
+        return JSONResponse(h, status_code=code)
 
     @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> JSONResponse:
-        return await health()
+    async def ping(raw: Request) -> JSONResponse:
+        # NOTE: reads no body (vLLM answers POST too); BodyLimitMiddleware passes it by
+        return await health(raw)
 
     @app.get("/version")
     async def version() -> dict:

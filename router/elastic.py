@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -26,6 +27,59 @@ logger = logging.getLogger("triptych.router")
 MAX_POOL_WORKERS = 64
 DRAIN_POLL_S = 0.1
 STOP_GRACE_S = 10.0
+
+
+class NoRoom(ValueError):
+    """A grow the host (or Ray cluster) has no room for (HTTP 409)."""
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (a tensor-parallel group's ranks)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(x.split()[1]) << 10 for x in f if x.startswith("VmRSS:")),
+                              0)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return total
+
+
+def worker_footprint(w: WorkerHandle) -> int:
+    """Bytes one more worker like ``w`` would take: ``w``'s resident memory when it is up
+    here, else what its hello and config say (weights + KV budget); 0: unknown."""
+    if w.up and w.proc is not None and getattr(w.proc, "pid", None):
+        rss = _rss(w.proc.pid)
+        if rss:
+            return rss
+    weights = sum((w.info.get("weight_bytes") or {}).values())
+    return weights + int(w.config.get("kv_cache_memory") or 0) if weights else 0
+
+
+def mem_available() -> int:
+    """This host's MemAvailable (bytes): what it can give without swapping."""
+    with open("/proc/meminfo") as f:
+        return next(int(x.split()[1]) << 10 for x in f if x.startswith("MemAvailable:"))
+
+
+def check_host_room(pool: str, keep: list[WorkerHandle], count: int) -> None:
+    """NoRoom unless ``count`` more workers like the largest of ``keep`` fit in this
+    host's MemAvailable with a tenth of it kept spare."""
+    each = max((worker_footprint(w) for w in keep), default=0)
+    if each <= 0:
+        raise NoRoom(f"no {pool} worker is up yet to measure a worker's memory by; grow "
+                     "the pool once one is")
+    avail = mem_available()
+    if each * count > 0.9 * avail:
+        raise NoRoom(f"growing the {pool} pool by {count} needs about "
+                     f"{each * count / 2**30:.2f} GiB ({each / 2**30:.2f} GiB a worker, "
+                     f"measured on a live one) but this host has {avail / 2**30:.2f} GiB "
+                     "available (MemAvailable, a tenth kept spare)")
 
 
 class PoolResizer:
@@ -52,6 +106,8 @@ class PoolResizer:
         keep = self.managed(pool)
         if not keep:
             raise ValueError(f"the {pool} pool has no worker this server manages")
+        if workers > len(keep):
+            self._check_room(pool, keep, workers - len(keep))
         added, draining = [], []
         for _ in range(workers - len(keep)):
             index = max(w.index for w in r.registry.pool(pool)) + 1
@@ -68,6 +124,26 @@ class PoolResizer:
             logger.info("pool %s: %d -> %d workers (added %s, draining %s)", pool, len(keep),
                         workers, added, draining)
         return {"pool": pool, "workers": workers, "added": added, "draining": draining}
+
+    def _check_room(self, pool: str, keep: list[WorkerHandle], count: int) -> None:
+        """NoRoom unless ``count`` more ``pool`` workers fit: on a Ray cluster, their
+        bundles in what the cluster has free; on this host, a live worker's footprint
+        (its RSS and its ranks', else its weights + KV budget) times ``count`` within
+        MemAvailable, keeping a tenth of it spare."""
+        r = self.router
+        if r.backend is not None:
+            import ray
+            from triptych.router.ray_backend import pool_bundle
+
+            bundle, _ = pool_bundle(r.config, pool, r.layout.tp[pool])
+            free = ray.available_resources()
+            short = {k: v * count for k, v in bundle.items() if free.get(k, 0.0) < v * count}
+            if short:
+                raise NoRoom(f"the Ray cluster has no room for {count} more {pool} workers: "
+                             f"they ask {short} in all; free now: "
+                             f"{ {k: free.get(k, 0.0) for k in short} }")
+            return
+        check_host_room(pool, keep, count)
 
     async def _drain(self, w: WorkerHandle) -> None:
         r = self.router

@@ -25,14 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
-import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.engine.block_hash import chain_hashes
 from triptych.engine.output_processor import OutputProcessor
@@ -44,6 +42,7 @@ from triptych.router.handle import WorkerHandle
 from triptych.router.intake import Intake
 from triptych.router.layout import Layout
 from triptych.router.migration import MAX_MIGRATIONS, Migration
+from triptych.router.prompt import ProcessedPrompt
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Child, ClientRequest, RequestTable
 from triptych.router.sockets import RouterSockets
@@ -86,7 +85,6 @@ class Router:
             model_fingerprint(config.model) if config.worker_address else "")
         self.registry.max_step_s = config.max_step_seconds
         self.requests = RequestTable(self.pixels.unpin)
-        self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self.first_token_timeouts = 0  # requests failed by --first-token-timeout
@@ -128,7 +126,7 @@ class Router:
                                      self._on_worker_exit, shm_ring=self.pixels.ring_name,
                                      heartbeat_timeout_s=self.config.worker_heartbeat_timeout,
                                      max_step_s=self.config.max_step_seconds,
-                                     launcher=launcher)
+                                     launcher=launcher, gpu=self.layout.gpu)
         if self.backend is not None:
             from triptych.router.ray_backend import shutdown_sender
 
@@ -276,7 +274,9 @@ class Router:
         return out
 
     def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{os.getpid()}-{next(self._ids)}"
+        """A fresh response id, random as vLLM's: a counter would let one tenant count
+        the others' requests."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     @property
     def num_in_flight(self) -> int:

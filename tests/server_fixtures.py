@@ -152,6 +152,9 @@ class ServerProc:
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        # the operator's key, when given on the command line: /admin/* and /health's detail
+        admin = args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args else None
+        self.admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         self.log_path = log_path
         cmd = [sys.executable, "-m", "triptych", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), *(["--model", model] if model else []), *args]
@@ -197,7 +200,7 @@ class ServerProc:
 
     def worker_pids(self) -> dict[str, int]:
         """Live worker processes by "<pool>-<index>" (from /health)."""
-        h = httpx.get(self.base + "/health", timeout=5).json()
+        h = httpx.get(self.base + "/health", headers=self.admin_headers, timeout=5).json()
         return {f"{pool}-{w['index']}": w["pid"] for pool, p in h["pools"].items()
                 for w in p["workers"] if w["state"] == "up"}
 

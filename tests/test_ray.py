@@ -78,7 +78,8 @@ def server(cluster, tiny_qwen2_vl, tmp_path_factory):
                    "--distributed-executor-backend", "ray", "--ray-address", c.address,
                    "--encode-resources", _res("enc_node"), "--prefill-resources",
                    _res("pre_node"), "--decode-resources", _res("dec_node"),
-                   "--worker-heartbeat-timeout", HB, "--kv-cache-memory", "32MiB")
+                   "--worker-heartbeat-timeout", HB, "--kv-cache-memory", "32MiB",
+                   "--admin-api-key", "ray-test-operator-key")
     try:
         yield s
     finally:
@@ -103,7 +104,8 @@ def _cmd(pid: int) -> str:
 
 
 def _workers(s: ServerProc, pool: str) -> list[dict]:
-    return httpx.get(s.base + "/health", timeout=10).json()["pools"][pool]["workers"]
+    return httpx.get(s.base + "/health", headers=s.admin_headers,
+                     timeout=10).json()["pools"][pool]["workers"]
 
 
 def _up(s: ServerProc, pool: str) -> list[dict]:
@@ -111,7 +113,8 @@ def _up(s: ServerProc, pool: str) -> list[dict]:
 
 
 def _resize(s: ServerProc, pool: str, n: int) -> dict:
-    r = httpx.post(s.base + "/admin/pools", json={"pool": pool, "workers": n}, timeout=30)
+    r = httpx.post(s.base + "/admin/pools", json={"pool": pool, "workers": n},
+                   headers=s.admin_headers, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -296,7 +299,8 @@ def test_1e2p2d_on_ray_nodes_equals_hf(server, cluster, tiny_qwen2_vl):
 def test_shrinking_drains_without_a_failed_request(server):
     for body in ({"pool": "vision", "workers": 1}, {"pool": "decode", "workers": 0},
                  {"pool": "decode", "workers": "2"}):
-        r = httpx.post(server.base + "/admin/pools", json=body, timeout=30)
+        r = httpx.post(server.base + "/admin/pools", json=body, headers=server.admin_headers,
+                       timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] in ("pool", "workers")
     want = _ask(server, TEXT, 60)
     with cf.ThreadPoolExecutor(4) as ex:
@@ -307,7 +311,8 @@ def test_shrinking_drains_without_a_failed_request(server):
         assert [a.result(timeout=180) for a in asks] == [want] * 4
     wait_for(lambda: [w["name"] for w in _workers(server, "decode")] == ["decode-0"],
              "the drained worker gone", timeout=60)
-    assert httpx.get(server.base + "/admin/pools", timeout=10).json()["pools"]["decode"] == 1
+    assert httpx.get(server.base + "/admin/pools", headers=server.admin_headers,
+                     timeout=10).json()["pools"]["decode"] == 1
     assert not [p for p in _placement_groups(server) if "decode-1" in p["name"]]
 
 
@@ -320,7 +325,8 @@ def _placement_groups(s: ServerProc) -> list[dict]:
 
 
 def test_sigterm_leaves_no_actor_or_placement_group(server):
-    n = sum(httpx.get(server.base + "/admin/pools", timeout=10).json()["pools"].values())
+    n = sum(httpx.get(server.base + "/admin/pools", headers=server.admin_headers,
+                      timeout=10).json()["pools"].values())
     assert n >= 3  # 1e2p1d here, after the tests above grew and shrank it
     assert len(_placement_groups(server)) == n
     actors = {p for p in _pids() if _cmd(p).startswith("ray::PoolWorkerActor")}

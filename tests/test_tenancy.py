@@ -28,6 +28,7 @@ from triptych.engine.block_hash import chain_hashes
 
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-0123456789"}
 ADMIN = "key-admin-0123456789"  # --api-key: the anonymous tenant
+OPERATOR = "key-operator-0123456789"  # --admin-api-key: no tenant (/health's detail)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def server(tiny_qwen2_vl, tmp_path_factory):
     yield from module_server(tiny_qwen2_vl, tmp_path_factory,
                              "--block-size", "4", "--max-model-len", "1024",
                              "--served-model-name", "tiny", "--api-keys-file", str(path),
-                             "--api-key", ADMIN)
+                             "--api-key", ADMIN, "--admin-api-key", OPERATOR)
 
 
 def client(server, tenant: str) -> openai.OpenAI:
