@@ -3,8 +3,10 @@
 ``ordered_map`` pulls items from an async iterator only when there is room, runs at most
 ``concurrency`` of them at once, and yields results in the order the items came. At most
 ``window`` items are held at any time (running, or finished and waiting for an earlier
-one), so memory does not grow with the input; the window is wider than the concurrency so
-one slow item at the head does not idle the others.
+one), and, given their sizes, items of at most ``max_bytes`` bytes (plus the one that
+crossed that line), so memory does not grow with the input however long it is or however
+big its items; the window is wider than the concurrency so one slow item at the head does
+not idle the others.
 """
 from __future__ import annotations
 
@@ -57,12 +59,16 @@ class CtrlC:
 
 
 async def ordered_map(items: AsyncIterable[T], fn: Callable[[T], Awaitable[R]],
-                      concurrency: int, window: int | None = None
+                      concurrency: int, window: int | None = None,
+                      size: Callable[[T], int] | None = None, max_bytes: int | None = None
                       ) -> AsyncIterator[tuple[T, R]]:
     """``(item, await fn(item))`` for each item, in input order; at most ``concurrency``
     calls of ``fn`` run at once and at most ``window`` (default ``4 * concurrency``) items
-    are held. ``fn`` should turn its own failures into results: an exception it raises
-    ends the iteration (the other calls are cancelled)."""
+    are held. With ``size`` (an item's bytes) and ``max_bytes``, no further item is pulled
+    while the held items' bytes reach ``max_bytes`` (one item is always let in, so the
+    held bytes stay below ``max_bytes`` plus one item's). ``fn`` should turn its own
+    failures into results: an exception it raises ends the iteration (the other calls are
+    cancelled)."""
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     window = max(window or 4 * concurrency, concurrency)
@@ -72,26 +78,32 @@ async def ordered_map(items: AsyncIterable[T], fn: Callable[[T], Awaitable[R]],
         async with gate:
             return await fn(item)
 
+    def room(held: int) -> bool:
+        return len(pending) < window and (max_bytes is None or held < max_bytes)
+
     source = items.__aiter__()
-    pending: deque[tuple[T, asyncio.Task[R]]] = deque()
-    exhausted = False
+    pending: deque[tuple[T, asyncio.Task[R], int]] = deque()
+    held, exhausted = 0, False  # held: the pending items' bytes
     try:
         while True:
-            while not exhausted and len(pending) < window:
+            while not exhausted and (not pending or room(held)):
                 try:
                     item = await source.__anext__()
                 except StopAsyncIteration:
                     exhausted = True
                     break
-                pending.append((item, asyncio.ensure_future(run(item))))
+                nbytes = size(item) if size is not None else 0
+                held += nbytes
+                pending.append((item, asyncio.ensure_future(run(item)), nbytes))
             if not pending:
                 return
-            item, task = pending.popleft()
+            item, task, nbytes = pending.popleft()
+            held -= nbytes
             yield item, await task
     finally:  # (an early exit, Ctrl-C, or a failure: nothing keeps running behind us)
-        for _, t in pending:
+        for _, t, _ in pending:
             t.cancel()
-        await asyncio.gather(*(t for _, t in pending), return_exceptions=True)
+        await asyncio.gather(*(t for _, t, _ in pending), return_exceptions=True)
         # Close the source now, while what its own cleanup needs (a PDF reader's thread)
         # still exists, rather than whenever the loop finalizes it.
         close = getattr(source, "aclose", None)
