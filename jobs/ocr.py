@@ -26,13 +26,16 @@ from triptych.jobs.backend import Backend, add_backend_args, open_backend
 from triptych.jobs.driver import CtrlC, ordered_map
 from triptych.jobs.ocr_output import EXTENSIONS, DocWriter, PageResult, finished
 from triptych.jobs.ocr_sources import Document, PageJob, discover, pages
-from triptych.jobs.pdf import Rasterizer
+from triptych.jobs.pdf import DEFAULT_MAX_PAGE_PIXELS, PageSize, Rasterizer
 from triptych.jobs.progress import Progress
 
 logger = logging.getLogger("triptych.jobs")
 DEFAULT_PROMPT = "Transcribe all the text on this page, in reading order."
 SUMMARY_FILE = "ocr-summary.json"
 RETRYABLE = {408, 429}  # and every 5xx: the others are the page's own fault (too big, ...)
+# Bytes of page images held at once (rendered, in flight, or waiting for an earlier page),
+# beside the count bound of 4 x --max-concurrency; a page is always let in when none is.
+WINDOW_BYTES = 256 << 20
 
 
 class ServerGone(RuntimeError):
@@ -59,6 +62,12 @@ def add_parser(subparsers: Any) -> None:
     r.add_argument("--target-longest-dim", type=int, default=None,
                    help="render PDF pages (and resize images) so their longest side has "
                         "this many pixels, instead of --dpi (default: unset)")
+    r.add_argument("--max-page-pixels", type=int, default=DEFAULT_MAX_PAGE_PIXELS,
+                   help="most pixels of a page image, worked out from the page's size before "
+                        "anything is rendered or decoded: a PDF page bigger than this at "
+                        "--dpi / --target-longest-dim is rendered smaller to fit (with a "
+                        "warning); an image file bigger than this fails. The default is a "
+                        "default server's image cap (--max-image-pixels)")
     r.add_argument("--max-concurrency", type=int, default=16, help="pages in flight at once")
     r.add_argument("--max-page-retries", type=int, default=3,
                    help="further attempts for a page whose request failed transiently "
@@ -165,9 +174,11 @@ async def run_ocr(args: argparse.Namespace, docs: list[Document], prompt: str
 
     try:
         async with CtrlC() as ctrl_c, open_backend(args, args.max_concurrency) as backend:
-            stream = pages(todo, raster, args.dpi, args.target_longest_dim,
-                           lambda d: progress.add_total(d.total or 0))
-            async for job, result in ordered_map(stream, one, args.max_concurrency):
+            size = PageSize(args.dpi, args.target_longest_dim, args.max_page_pixels)
+            stream = pages(todo, raster, size, lambda d: progress.add_total(d.total or 0))
+            async for job, result in ordered_map(stream, one, args.max_concurrency,
+                                                 size=lambda j: len(j.image or b""),
+                                                 max_bytes=WINDOW_BYTES):
                 ctrl_c.check()
                 doc = job.doc
                 if job.number == 0:  # the document could not be read
@@ -213,8 +224,9 @@ def run(args: argparse.Namespace) -> int:
         fail("--max-concurrency and --max-tokens must be at least 1, --max-page-retries >= 0")
     if not 0.0 <= args.max_page_error_rate <= 1.0:
         fail("--max-page-error-rate must be between 0 and 1")
-    if not args.dpi > 0 or (args.target_longest_dim is not None and args.target_longest_dim < 1):
-        fail("--dpi and --target-longest-dim must be positive")
+    if not args.dpi > 0 or (args.target_longest_dim is not None and args.target_longest_dim < 1) \
+            or args.max_page_pixels < 1:
+        fail("--dpi, --target-longest-dim and --max-page-pixels must be positive")
     prompt = args.prompt
     if args.prompt_file:
         try:
