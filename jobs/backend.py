@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "in this process, configured by the engine flags below")
     g.add_argument("--request-timeout", type=float, default=3600.0,
                    help="seconds one request may take (--server mode)")
+    g.add_argument("--api-key", default=None,
+                   help="with --server: sent as 'Authorization: Bearer <key>' (default: env "
+                        "OPENAI_API_KEY, which keeps the key out of the process list; unset: "
+                        "no key)")
     add_engine_args(p, model_required=False, model_help=(
         "checkpoint directory or Hugging Face hub id for the in-process engine (unset: the "
         "built-in demo checkpoint, as `triptych serve`); ignored with --server"))
@@ -103,18 +108,27 @@ async def _in_process(args: argparse.Namespace, max_pending: int) -> AsyncIterat
 
 
 @contextlib.asynccontextmanager
-async def _remote(url: str, timeout: float) -> AsyncIterator[Backend]:
+async def _remote(url: str, timeout: float, api_key: str | None) -> AsyncIterator[Backend]:
     from triptych.cli import fail
 
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(
-            timeout, connect=10.0)) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=10.0)) as client:
         try:
             r = await client.get("/v1/models")
+        except httpx.HTTPError as e:
+            fail(f"--server {url}: no OpenAI server answers GET /v1/models there "
+                 f"({type(e).__name__})")
+        if r.status_code in (401, 403):
+            fail(f"--server {url}: the server refused the API key (HTTP {r.status_code}); "
+                 + ("check --api-key or OPENAI_API_KEY" if api_key else
+                    "it needs one: pass --api-key or set OPENAI_API_KEY"))
+        try:
             r.raise_for_status()
             name = r.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            fail(f"--server {url}: no OpenAI server answers GET /v1/models there "
-                 f"({type(e).__name__})")
+            fail(f"--server {url}: GET /v1/models answered HTTP {r.status_code}, not an "
+                 f"OpenAI model list ({type(e).__name__})")
         yield Backend(client, name)
 
 
@@ -123,7 +137,8 @@ def open_backend(args: argparse.Namespace, max_pending: int
     """The backend the flags ask for. ``max_pending``: the in-process app's admission bound
     (engine requests at once; the job's own concurrency bound sits below it)."""
     if args.server:
-        return _remote(args.server, args.request_timeout)
+        key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
+        return _remote(args.server, args.request_timeout, key or None)
     return _in_process(args, max(256, max_pending))
 
 
