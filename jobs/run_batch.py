@@ -8,8 +8,10 @@ error line with ``response: null``; one the server refuses gets ``response.statu
 and the server's error object. Nothing on one line stops the others.
 
 The input is streamed and results are written in input order as they finish (a bounded
-window, jobs/driver.py), each line flushed whole, so a rerun with ``--resume`` after a
-crash or Ctrl-C finds a prefix of the results and goes on from there (jobs/ledger.py).
+window, jobs/driver.py, counted in lines and in bytes), each line flushed whole, so a rerun
+with ``--resume`` after a crash or Ctrl-C finds a prefix of the results and goes on from
+there (jobs/ledger.py). A line longer than ``--max-line-bytes`` is read through in chunks,
+never held whole, and gets an error line.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import httpx
 from triptych.jobs.backend import Backend, add_backend_args, open_backend
@@ -32,6 +34,9 @@ from triptych.jobs.progress import Progress
 
 logger = logging.getLogger("triptych.jobs")
 URLS = ("/v1/chat/completions", "/v1/completions")
+# serve's --max-request-bytes default: a longer line's body could not be sent anyway.
+DEFAULT_MAX_LINE_BYTES = 64 << 20
+CHUNK = 1 << 20  # bytes read at a time through a line that is too long
 
 
 class ServerGone(RuntimeError):
@@ -52,6 +57,12 @@ def add_parser(subparsers: Any) -> None:
                      help="results file (JSONL); '-' writes stdout (required)")
     io_.add_argument("--max-concurrency", type=int, default=64,
                      help="requests in flight at once")
+    io_.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES,
+                     help="longest input line in bytes, its newline not counted (serve's "
+                          "--max-request-bytes); a longer line is read through without being "
+                          "held and gets an error line. The lines held at once (running, or "
+                          "waiting for an earlier one) are also kept under 4 x this many "
+                          "bytes")
     io_.add_argument("--resume", action="store_true",
                      help="keep the results already in the output file, skip their "
                           "custom_ids and append the rest (a half-written last line is "
@@ -69,6 +80,7 @@ class Line:
     url: str = ""
     body: dict | None = None
     error: dict | None = None
+    nbytes: int = 0  # the line's length, while it is held (the window's byte count)
 
 
 def _error(message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -133,39 +145,62 @@ async def send(backend: Backend, line: Line) -> dict:
     return result_line(line.custom_id, r.status, r.request_id, error=err)
 
 
-async def read_lines(f: IO[str]) -> AsyncIterator[tuple[int, str]]:
-    """(line number, text) of each non-blank line, read off the event loop (stdin may
-    block; the engine's router shares this loop)."""
+def read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int] | None:
+    """The next line of ``f`` and its length in bytes, or None at the end. A line of more
+    than ``limit`` bytes (its newline not counted) is read through ``CHUNK`` bytes at a
+    time and comes back as ``(None, length)``: it is never held whole."""
+    raw = f.readline(limit + 1)
+    if not raw:
+        return None
+    if len(raw) <= limit or raw.endswith(b"\n"):
+        return raw, len(raw)
+    n = len(raw)
+    while raw and not raw.endswith(b"\n"):
+        raw = f.readline(CHUNK)
+        n += len(raw)
+    return None, n
+
+
+async def read_lines(f: BinaryIO, limit: int) -> AsyncIterator[tuple[int, str | None, int]]:
+    """(line number, text or None if too long, bytes) of each non-blank line, read off the
+    event loop (stdin may block; the engine's router shares this loop)."""
     number = 0
-    while True:
-        raw = await asyncio.to_thread(f.readline)
-        if not raw:
-            return
+    while (got := await asyncio.to_thread(read_line, f, limit)) is not None:
         number += 1
-        if raw.strip():
-            yield number, raw
+        raw, n = got
+        if raw is None or raw.strip():
+            yield number, None if raw is None else raw.decode("utf-8", "replace"), n
 
 
-def _count_requests(path: str) -> int | None:
+def _count_requests(path: str, limit: int) -> int | None:
     """Non-blank lines of a regular file (the bar's total, for an ETA); None for stdin."""
     if path == "-" or not os.path.isfile(path):
         return None
+    count = 0
     with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
+        while (got := read_line(f, limit)) is not None:
+            count += got[0] is None or bool(got[0].strip())
+    return count
 
 
-async def run_batch(args: argparse.Namespace, src: IO[str], out: IO[str], ledger: Ledger
+async def run_batch(args: argparse.Namespace, src: BinaryIO, out: IO[str], ledger: Ledger
                     ) -> dict[str, int]:
     """Stream ``src`` through the backend into ``out``; returns counts of what happened."""
     counts = {"ok": 0, "errors": 0, "skipped": 0}
     seen: dict[Any, int] = {}  # custom_id -> first line (duplicates are refused)
-    total = _count_requests(args.input_file)
+    total = _count_requests(args.input_file, args.max_line_bytes)
     progress = Progress(total, "req", "run-batch", initial=min(ledger.total, total or 0),
                         disable=args.no_progress)
 
     async def lines() -> AsyncIterator[Line]:
-        async for number, raw in read_lines(src):
-            line = parse_line(number, raw)
+        async for number, text, nbytes in read_lines(src, args.max_line_bytes):
+            if text is None:
+                line = Line(number, error=_error(
+                    f"line {number}: {nbytes} bytes, longer than --max-line-bytes "
+                    f"({args.max_line_bytes})"))
+            else:
+                line = parse_line(number, text)
+                line.nbytes = nbytes
             cid = line.custom_id if isinstance(line.custom_id, str) else None
             first = seen.get(cid) if cid is not None else None
             if cid is not None and first is None:
@@ -183,17 +218,20 @@ async def run_batch(args: argparse.Namespace, src: IO[str], out: IO[str], ledger
             result = await send(backend, line)
         except ServerGone:
             raise
-        except Exception as e:  # noqa: BLE001 - one line's failure is that line's result
+        except Exception as e:
             logger.exception("line %d failed", line.number)
             result = result_line(line.custom_id, error=_error(
                 f"internal error: {type(e).__name__}", type_="server_error", code=500))
+        line.body = None  # sent: only its result waits for the lines before it
         body = (result.get("response") or {}).get("body") or {}
         progress.done(1, int((body.get("usage") or {}).get("completion_tokens") or 0))
         return result
 
     try:
         async with CtrlC() as ctrl_c, open_backend(args, args.max_concurrency) as backend:
-            async for _, result in ordered_map(lines(), one, args.max_concurrency):
+            async for _, result in ordered_map(lines(), one, args.max_concurrency,
+                                               size=lambda line: line.nbytes,
+                                               max_bytes=4 * args.max_line_bytes):
                 # One write per line, flushed: a kill leaves whole lines (and maybe a cut
                 # last one, which --resume removes).
                 out.write(json.dumps(result, ensure_ascii=False) + "\n")
@@ -208,8 +246,8 @@ async def run_batch(args: argparse.Namespace, src: IO[str], out: IO[str], ledger
 def run(args: argparse.Namespace) -> int:
     from triptych.cli import fail
 
-    if args.max_concurrency < 1:
-        fail("--max-concurrency must be at least 1")
+    if args.max_concurrency < 1 or args.max_line_bytes < 1:
+        fail("--max-concurrency and --max-line-bytes must be at least 1")
     if args.resume and args.output_file == "-":
         fail("--resume needs an output file (not '-')")
     if args.input_file != "-" and not os.path.isfile(args.input_file):
@@ -221,8 +259,7 @@ def run(args: argparse.Namespace) -> int:
                     if args.resume else None)
     if ledger.total:
         logger.info("resuming: %d result lines already in %s", ledger.total, args.output_file)
-    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8",
-                                                       errors="replace")
+    src = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
     out = sys.stdout if args.output_file == "-" else open(
         args.output_file, "a" if args.resume else "w", encoding="utf-8")
     try:
@@ -235,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         for f in (src, out):
-            if f not in (sys.stdin, sys.stdout):
+            if f not in (sys.stdin.buffer, sys.stdout):
                 f.close()
     logger.info("run-batch: %d ok, %d errors, %d already done", counts["ok"],
                 counts["errors"], counts["skipped"])
