@@ -145,20 +145,26 @@ async def send(backend: Backend, line: Line) -> dict:
     return result_line(line.custom_id, r.status, r.request_id, error=err)
 
 
-def read_line(f: BinaryIO, limit: int) -> tuple[bytes | None, int] | None:
-    """The next line of ``f`` and its length in bytes, or None at the end. A line of more
-    than ``limit`` bytes (its newline not counted) is read through ``CHUNK`` bytes at a
-    time and comes back as ``(None, length)``: it is never held whole."""
-    raw = f.readline(limit + 1)
-    if not raw:
+def read_line(f: BinaryIO, limit: int, chunk_size: int = CHUNK
+              ) -> tuple[bytes | None, int] | None:
+    """The next line of ``f`` and its length in bytes, or None at the end. The line is read
+    ``chunk_size`` bytes at a time; one of more than ``limit`` bytes (its newline not
+    counted) is read through, dropping its chunks, and comes back as ``(None, length)``: it
+    costs at most ``limit`` bytes of memory whatever its length."""
+    parts: list[bytes] | None = []
+    n = 0
+    while chunk := f.readline(chunk_size):
+        n += len(chunk)
+        end = chunk.endswith(b"\n")
+        if parts is not None and n - end > limit:
+            parts = None  # too long: the rest is only counted
+        if parts is not None:
+            parts.append(chunk)
+        if end:
+            break
+    if n == 0:
         return None
-    if len(raw) <= limit or raw.endswith(b"\n"):
-        return raw, len(raw)
-    n = len(raw)
-    while raw and not raw.endswith(b"\n"):
-        raw = f.readline(CHUNK)
-        n += len(raw)
-    return None, n
+    return (b"".join(parts) if parts is not None else None), n
 
 
 async def read_lines(f: BinaryIO, limit: int) -> AsyncIterator[tuple[int, str | None, int]]:
