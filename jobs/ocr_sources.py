@@ -80,14 +80,17 @@ def _walk(folder: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):  # (followlinks=False)
         here = Path(dirpath)
-        for name in [*dirnames, *filenames]:
+        for name in dirnames:  # a symlinked folder is listed here, never walked
+            if (here / name).is_symlink() and (why := outside(here / name, real)):
+                logger.warning("skipping %s: %s", here / name, why)
+        for name in filenames:
             f = here / name
-            if name in filenames and f.suffix.lower() not in wanted:
+            if f.suffix.lower() not in wanted:
                 continue
             why = outside(f, real) if f.is_symlink() else None
             if why is not None:
                 logger.warning("skipping %s: %s", f, why)
-            elif name in filenames and f.is_file():
+            elif f.is_file():
                 found.append(f)
     return sorted(found)
 
