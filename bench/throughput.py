@@ -36,7 +36,8 @@ OCR_FLAGS: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4
 
 # `bench <name>` -> the module holding its add_parser / run (throughput itself is here)
 SUBCOMMANDS = {"serve": "serve", "multiturn": "multiturn", "cpu-decode": "cpu_decode",
-               "ocr": "ocr", "soak": "soak", "peer": "peer", "floor": "decode_floor"}
+               "ocr": "ocr", "soak": "soak", "peer": "peer", "floor": "decode_floor",
+               "gpu": "gpu_check"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -135,7 +136,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     # HF on the engine's device and in its dtype (on the CPU with 16-bit weights the engine
     # computes in fp32, and so does HF)
-    hf = None if args.skip_hf else _HF(w["model"], args.hf_batch_size, w["output_len"], warm,
+    hf = None if args.skip_hf else HFPeer(w["model"], args.hf_batch_size, w["output_len"], warm,
                                        llm.engine.device, llm.engine.dtype)
     res: dict[str, Any] = {"preset": args.preset, **w, "threads": threads,
                            "attention_backend": llm.engine.attention_backend,
@@ -213,8 +214,9 @@ def _profile(llm: Any, prof: Any, processed: list[Any], sp: Any) -> dict[str, An
     return out
 
 
-class _HF:
-    """Plain HF generate over padded static batches of the same processed inputs."""
+class HFPeer:
+    """Plain HF generate over padded static batches of the same processed inputs, on
+    ``device`` in ``dtype`` (the engine's)."""
 
     def __init__(self, model_dir: str, batch_size: int, output_len: int, warm: list[Any],
                  device: Any = "cpu", dtype: Any = None) -> None:
@@ -252,4 +254,6 @@ class _HF:
                 inp = self.inputs(chunk)
                 out = self.model.generate(**inp, **self.gen)
                 n_out += (out.shape[1] - inp["input_ids"].shape[1]) * len(chunk)
-        return n_out / (time.perf_counter() - t0)  # generate returns ids on the host side
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the last step's work counts too
+        return n_out / (time.perf_counter() - t0)

@@ -1,0 +1,250 @@
+"""The figure steps of `bench gpu` (bench/gpu_check.py): model, floor, syncs, decode, ocr, ttft.
+
+They serve the random checkpoint in Qwen2-VL-2B's shape that step ``model`` builds (on
+the GPU, bf16: ~15 s; a smoke run uses the tiny Qwen2-VL), in the engine's default dtype
+for it (bf16). Each compares with a peer measured in the same run (the GEMM floor, HF
+``generate`` on the same device and dtype) and records the issue's target beside it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from triptych.bench.gpu_steps import chat, greedy, image
+
+# make_tiny flags of Qwen2-VL-2B's shape (../shared/GPU.md); the tokenizer is small, the
+# embedding and LM head have the real 151,936 rows
+MODEL_2B: dict[str, Any] = {"hidden_size": 1536, "num_layers": 28, "num_heads": 12,
+                            "num_kv_heads": 2, "intermediate_size": 8960, "vision_depth": 32,
+                            "vision_embed_dim": 1280, "vision_heads": 16, "vocab_size": 4096,
+                            "model_vocab_size": 151936}
+OCR_PROMPT = "Transcribe the text in this image."
+
+
+def served_model(ctx: Any) -> str:
+    """The checkpoint step ``model`` built (a clear failure when it did not)."""
+    res = ctx.load("model")
+    if not res or not res.get("path"):
+        raise RuntimeError("step model built no checkpoint (see model.log)")
+    return res["path"]
+
+
+def step_model(ctx: Any) -> None:
+    import torch
+    from triptych.models.demo import tiny_checkpoint
+
+    t0 = time.perf_counter()
+    if ctx.smoke:
+        path, flags = tiny_checkpoint("qwen2_vl"), {}
+    else:  # random init of 2.2B parameters: seconds on the GPU, minutes on its host
+        torch.set_default_device("cuda")
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            path, flags = tiny_checkpoint("qwen2_vl", **MODEL_2B), MODEL_2B
+        finally:
+            torch.set_default_dtype(torch.float32)
+            torch.set_default_device("cpu")
+    ctx.save(ok=True, path=path, flags=flags,
+             summary=f"Qwen2-VL-2B-shaped random checkpoint in {time.perf_counter() - t0:.0f} s"
+             if flags else "tiny Qwen2-VL (smoke)")
+
+
+def step_floor(ctx: Any) -> None:
+    from triptych.bench.decode_floor import StepGemms, measure, report
+
+    g = StepGemms.from_checkpoint(served_model(ctx))
+    res = measure(g, [1, 8, 64, 256], ctx.device, "float32" if ctx.smoke else "bfloat16",
+                  reps=2 if ctx.smoke else 20)
+    print(report(res))
+    kind = "eager" if ctx.smoke else "graph"
+    ctx.save(ok=True, **res, summary=f"{kind} floor: " + ", ".join(
+        f"batch {r['batch']} {r[f'{kind}_tok_s']:,.0f} tok/s ({r[f'{kind}_ms']:.2f} ms)"
+        for r in res["rows"]) + ("" if ctx.smoke else " (eager: " + ", ".join(
+            f"{r['eager_ms']:.2f}" for r in res["rows"]) + " ms)"))
+
+
+def _engine(ctx: Any, model: str, **knobs: Any) -> Any:
+    from triptych.llm import LLM
+
+    return LLM(model, device=ctx.device, enable_prefix_caching=False, disable_log_stats=True,
+               max_num_seqs=64, **knobs, **ctx.llm_knobs())
+
+
+def _prompts(llm: Any, batch: int, length: int, seed: int) -> list[list[int]]:
+    """Random text token ids below the tokenizer's specials (vision tokens excluded)."""
+    import numpy as np
+
+    hi = min(len(llm.get_tokenizer()) - 16, 3000)
+    return np.random.default_rng(seed).integers(100, hi, (batch, length)).tolist()
+
+
+def step_syncs(ctx: Any) -> None:
+    """Per decode step at batch 8: the host syncs torch reports (sync debug mode "warn",
+    each warning's source line) and the profiler's device->host copies, stream syncs,
+    scalar reads and kernel launches. Target (issue 32): no sync inside the forward, one
+    device->host copy (the sampled ids) per greedy step."""
+    import warnings
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = _engine(ctx, served_model(ctx))
+    eng, steps = _decoding(llm, _prompts(llm, 8, 64, 0)), 4 if ctx.smoke else 8
+    res: dict[str, Any] = {"batch": 8, "steps": steps}
+    if ctx.device == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(steps):
+                    eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        where = Counter(f"{w.filename}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message))
+        res["sync_warnings_per_step"] = sum(where.values()) / steps
+        res["sync_sources"] = {k: v / steps for k, v in where.most_common(12)}
+    else:
+        res["sync_warnings_per_step"] = "skipped: sync debug mode needs CUDA"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+    counts = Counter()
+    for e in prof.key_averages():
+        counts[e.key] += e.count
+    names = {"dtoh_copies": ("Memcpy DtoH",), "htod_copies": ("Memcpy HtoD",),
+             "stream_syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                              "cudaEventSynchronize"),
+             "cuda_memcpy_calls": ("cudaMemcpyAsync", "cudaMemcpy"),
+             "scalar_reads": ("aten::_local_scalar_dense",), "nonzero": ("aten::nonzero",),
+             "launches": ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")}
+    for field, keys in names.items():
+        res[f"{field}_per_step"] = sum(n for k, n in counts.items()
+                                       if any(k.startswith(p) for p in keys)) / steps
+    llm.close()
+    warned = res["sync_warnings_per_step"]
+    met = (res["dtoh_copies_per_step"] <= 1 and res["scalar_reads_per_step"] == 0
+           and (isinstance(warned, str) or warned <= 1))
+    ctx.save(ok=True, met=met, target="0 syncs inside the forward, 1 device->host copy a step",
+             **res, summary="per decode step at batch 8: " + (
+                 f"{warned:g} sync warnings, " if not isinstance(warned, str) else "")
+             + f"{res['dtoh_copies_per_step']:g} DtoH copies, {res['stream_syncs_per_step']:g} "
+             f"stream syncs, {res['scalar_reads_per_step']:g} scalar reads "
+             f"(_local_scalar_dense), {res['launches_per_step']:g} launches")
+
+
+def _decoding(llm: Any, prompts: list[list[int]]) -> Any:
+    """The engine with ``prompts`` admitted (ids ``d0``, ``d1``, ...), prefilled and two
+    decode steps in (past first-use costs): every step from here decodes all of them."""
+    eng = llm.engine
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"d{i}", ids, greedy(10_000))
+    sched = eng.scheduler
+    while sched.waiting or any(r.num_output_tokens < 1 for r in sched.running):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    return eng
+
+
+def step_decode(ctx: Any) -> None:
+    """Decode-only tok/s: decode steps of the whole batch timed back to back, as a fraction
+    of the GEMM floor of step ``floor`` at the same batch."""
+    import torch
+
+    floor = {r["batch"]: r for r in (ctx.load("floor") or {}).get("rows", [])}
+    steps = 8 if ctx.smoke else 48
+    rows = []
+    llm = _engine(ctx, served_model(ctx))
+    for batch in (1, 8) if ctx.smoke else (1, 64):
+        eng = _decoding(llm, _prompts(llm, batch, 128, batch))
+        sync = torch.cuda.synchronize if ctx.device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        row = {"batch": batch, "step_ms": 1e3 * (time.perf_counter() - t0) / steps}
+        row["tok_s"] = batch / row["step_ms"] * 1e3
+        for kind in ("graph", "eager"):
+            if f"{kind}_tok_s" in floor.get(batch, {}):
+                row[f"of_{kind}_floor"] = row["tok_s"] / floor[batch][f"{kind}_tok_s"]
+        rows.append(row)
+        ctx.save(rows=rows)
+        eng.abort_request([f"d{i}" for i in range(batch)])
+    llm.close()
+    target = {1: 150, 64: 10_000}
+    ctx.save(ok=True, met=all(r["tok_s"] >= target.get(r["batch"], 0) for r in rows),
+             target="batch 1 >= 150 tok/s, batch 64 >= 10,000 tok/s (issue 32)",
+             summary="; ".join(f"batch {r['batch']}: {r['tok_s']:,.0f} tok/s ({r['step_ms']:.1f} "
+                               "ms a step" + "".join(f", {100 * r[f'of_{k}_floor']:.0f}% of the "
+                                                     f"{k} floor" for k in ("graph", "eager")
+                                                     if f"of_{k}_floor" in r) + ")"
+                               for r in rows))
+
+
+def step_ocr(ctx: Any) -> None:
+    """64 requests x one 448 px image x 128 tokens through `bench throughput` (HF on the
+    engine's device and dtype, batch 16). Target (issue 32): >= 8x HF."""
+    import argparse
+    import json
+
+    from triptych.bench import throughput
+
+    p = argparse.ArgumentParser()
+    throughput.add_parser(p.add_subparsers(dest="command"))
+    work = (["--num-requests", "4", "--image-size", "112", "--output-len", "8",
+             "--hf-batch-size", "2", "--cpu-threads", "1"] if ctx.smoke else
+            ["--num-requests", "64", "--image-size", "448", "--output-len", "128",
+             "--hf-batch-size", "16"])
+    out = ctx.out / "ocr_throughput.json"
+    args = p.parse_args(["bench", "throughput", "--preset", "ocr", "--model", served_model(ctx),
+                         "--rounds", "1", "--json-out", str(out), *work])
+    throughput.run_throughput(args)
+    res = json.loads(out.read_text())
+    med = res["median"]
+    ctx.save(ok=True, met=med["ratio"] >= 8, target=">= 8x HF generate (issue 32), 15x (33)",
+             device=res.get("device"), dtype=res.get("dtype"),
+             triptych_tok_s=med["triptych_tok_s"], hf_tok_s=med["hf_tok_s"], ratio=med["ratio"],
+             summary=f"{res['num_requests']} x {res['image_size']} px x {res['output_len']} "
+                     f"tokens: {med['triptych_tok_s']:,.0f} tok/s, HF generate (batch "
+                     f"{res['hf_batch_size']}) {med['hf_tok_s']:,.0f}: {med['ratio']:.2f}x")
+
+
+def step_ttft(ctx: Any) -> None:
+    """Time to first token of one image chat (the tower, the prefill, one token; the image
+    processor excluded on both sides), a fresh image each time. Target (33): <= 30 ms."""
+    import torch
+    from triptych.bench.throughput import HFPeer
+
+    llm = _engine(ctx, served_model(ctx))
+    size = 112 if ctx.smoke else 448
+
+    def processed(seed: int) -> Any:
+        return llm.processor.process_chat(chat(OCR_PROMPT, image(seed, size, size)))
+
+    hf = HFPeer(served_model(ctx), 1, 1, [processed(0)], llm.engine.device, llm.engine.dtype)
+    llm.generate([processed(1)], greedy(1), use_tqdm=False)
+    ours, theirs = [], []
+    for seed in range(2, 4 if ctx.smoke else 9):
+        p = processed(seed)
+        t0 = time.perf_counter()
+        llm.generate([p], greedy(1), use_tqdm=False)
+        ours.append(time.perf_counter() - t0)
+        with torch.inference_mode():
+            inp = hf.inputs([p])
+            t0 = time.perf_counter()
+            hf.model.generate(**inp, **{**hf.gen, "max_new_tokens": 1})
+            if ctx.device == "cuda":
+                torch.cuda.synchronize()
+            theirs.append(time.perf_counter() - t0)
+    llm.close()
+    ms, hf_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
+    ctx.save(ok=True, met=ms <= 30, target="<= 30 ms (issue 33)", ttft_ms=ms, hf_ttft_ms=hf_ms,
+             image_px=size, runs=len(ours), prompt_tokens=len(p.prompt_token_ids),
+             summary=f"one {size} px image chat ({len(p.prompt_token_ids)} prompt tokens): "
+                     f"{ms:.1f} ms to the first token, HF generate {hf_ms:.1f} ms (medians of "
+                     f"{len(ours)})")
