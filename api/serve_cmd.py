@@ -63,6 +63,16 @@ def add_parser(subparsers: Any) -> None:
                      help="bytes of request bodies held at once, server-wide (a body counts "
                           "until its request is answered); beyond it 429 + Retry-After "
                           "(0: 4 x --max-request-bytes)")
+    lim.add_argument("--request-body-timeout", type=float, default=30.0,
+                     help="seconds a request body has to arrive, extended by a second per "
+                          "--request-body-min-rate bytes received; a slower body gets 408")
+    lim.add_argument("--request-body-min-rate", type=int, default=64 << 10,
+                     help="bytes/s a request body must keep up past --request-body-timeout "
+                          "(0: the timeout alone bounds it)")
+    lim.add_argument("--max-body-share", type=float, default=0.5,
+                     help="most of --max-inflight-body-bytes one client address, and one "
+                          "tenant, may hold at once (never less than one --max-request-bytes "
+                          "body); beyond it 429")
     lim.add_argument("--limit-concurrency", type=int, default=1024,
                      help="uvicorn's limit_concurrency: open connections + tasks beyond "
                           "which uvicorn answers 503 before reading anything")
@@ -139,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
                  "media_dns_per_domain"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.request_body_timeout > 0 or args.request_body_min_rate < 0 or \
+            not 0 < args.max_body_share <= 1:
+        fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0 and "
+             "--max-body-share in (0, 1]")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
         fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
     if 0 < args.max_inflight_body_bytes < args.max_request_bytes or \
@@ -255,6 +269,8 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         served_model=name, limits=checks, model_root=limits.model or model,
         max_pending=max_pending, max_body_bytes=limits.max_request_bytes,
         max_inflight_body_bytes=limits.max_inflight_body_bytes or 4 * limits.max_request_bytes,
+        body_timeout_s=limits.request_body_timeout, body_min_rate=limits.request_body_min_rate,
+        body_share=limits.max_body_share,
         max_media_fetches=limits.max_concurrent_media_fetches, block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
         protect_metrics=limits.protect_metrics,

@@ -52,6 +52,9 @@ class AppConfig:
     max_pending: int = 256  # engine requests admitted at once; more get 503
     max_body_bytes: int = 64 << 20
     max_inflight_body_bytes: int = 256 << 20  # request bodies held at once; more get 429
+    body_timeout_s: float = 30.0  # a body must arrive within this ...
+    body_min_rate: int = 64 << 10  # ... plus a second per this many bytes received; else 408
+    body_share: float = 0.5  # most of the body budget one client address / tenant holds
     max_media_fetches: int = 32  # http(s) media fetched at once, server-wide
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -131,7 +134,9 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     # NOTE: added last = runs first: ids, then the key (no body is read for a caller
     # without one), then the body cap.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
-                       max_inflight_bytes=config.max_inflight_body_bytes)
+                       max_inflight_bytes=config.max_inflight_body_bytes,
+                       timeout_s=config.body_timeout_s, min_rate=config.body_min_rate,
+                       share=config.body_share)
     app.add_middleware(AuthMiddleware, tenants=config.tenants,
                        protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)
