@@ -90,6 +90,15 @@ def make_tiny(arch: str, out_dir: str, **kw: Any) -> str:
     return contract_for_type(arch).make_tiny(arch, out_dir, **kw)
 
 
+def edit_json(path: str, drop: tuple[str, ...] = (), **fields: Any) -> None:
+    """Rewrite a saved config as the hub's checkpoints write it: ``drop`` keys, set
+    ``fields`` (transformers' save_pretrained writes its own spelling of some settings)."""
+    with open(path) as f:
+        data = {k: v for k, v in json.load(f).items() if k not in drop}
+    with open(path, "w") as f:
+        json.dump({**data, **fields}, f, indent=2, sort_keys=True)
+
+
 def save_tokenizer_files(tok: Any, out_dir: str) -> None:
     """The trained tokenizer and its chat template, as a real checkpoint ships them."""
     tok.save_pretrained(out_dir)
@@ -165,8 +174,13 @@ def make_tiny_qwen2_vl(arch: str, out_dir: str, *, seed: int = 0, hidden_size: i
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tokenizer_files(tok, out_dir)
-    # 224x224 images keep their size (256 patches); tiny ones are resized up to 56x56.
+    # 224x224 images keep their size (256 patches); tiny ones are resized up to 56x56. Written
+    # as the hub's Qwen2-VL / Qwen2.5-VL files are: min_pixels (the hub's 3136) and max_pixels
+    # (the hub's 16384 cells of 28 x 28 scaled down to 256) at the top level, no "size".
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=256 * 28 * 28).save_pretrained(out_dir)
+    edit_json(os.path.join(out_dir, "preprocessor_config.json"), drop=("size",),
+              min_pixels=56 * 56, max_pixels=256 * 28 * 28,
+              processor_class="Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor")
     with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
         json.dump({"min_pixels": 56 * 56, "max_pixels": 64 * 28 * 28, "fps": 2.0,
                    "max_frames": 16, "temporal_patch_size": 2, "patch_size": 14,

@@ -46,13 +46,6 @@ TEMPLATE = (
 PROCESSOR = "InternVLProcessor"
 
 
-def _edit_json(path: str, **fields: Any) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    with open(path, "w") as f:
-        json.dump({**data, **fields}, f, indent=2, sort_keys=True)
-
-
 def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                        vision_layers: int = 2, vision_hidden: int = 32, vision_heads: int = 2,
@@ -67,7 +60,7 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
         GotOcr2ImageProcessorPil,
     )
-    from triptych.models.tiny import _train_tokenizer, save_tokenizer_files
+    from triptych.models.tiny import _train_tokenizer, edit_json, save_tokenizer_files
 
     os.makedirs(out_dir, exist_ok=True)
     tok = _train_tokenizer(vocab_size, SPECIALS, TEMPLATE, NAMED)
@@ -110,8 +103,8 @@ def make_tiny_internvl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
                              min_patches=1, max_patches=max_patches,
                              image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
                              ).save_pretrained(out_dir)
-    _edit_json(os.path.join(out_dir, "preprocessor_config.json"),
-               image_processor_type="GotOcr2ImageProcessorFast", processor_class=PROCESSOR)
+    edit_json(os.path.join(out_dir, "preprocessor_config.json"),
+              image_processor_type="GotOcr2ImageProcessorFast", processor_class=PROCESSOR)
     with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
         json.dump({"image_seq_length": cfg.image_seq_length, "processor_class": PROCESSOR},
                   f, indent=2)

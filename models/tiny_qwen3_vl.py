@@ -27,7 +27,8 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from triptych.models.tiny import SPECIAL_TOKENS, _train_tokenizer, save_tokenizer_files
+    from triptych.models.tiny import (SPECIAL_TOKENS, _train_tokenizer, edit_json,
+                                      save_tokenizer_files)
 
     head_dim = head_dim or 2 * (hidden_size // num_heads)
     half = head_dim // 2
@@ -57,8 +58,8 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     vision = dict(depth=vision_depth, hidden_size=vision_embed_dim, num_heads=vision_heads,
                   intermediate_size=vision_embed_dim * 2, out_hidden_size=hidden_size,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=64, deepstack_visual_indexes=list(range(vision_depth - 1)),
-                  initializer_range=std)
+                  num_position_embeddings=64,
+                  deepstack_visual_indexes=list(range(vision_depth - 1)), initializer_range=std)
     cfg_cls = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
     cls = transformers.Qwen3VLMoeForConditionalGeneration if moe else \
         transformers.Qwen3VLForConditionalGeneration
@@ -77,11 +78,14 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tokenizer_files(tok, out_dir)
-    # Qwen3-VL's processor: 32-pixel merge cells (patch 16 x merge 2), mean/std 0.5
+    # Qwen3-VL's processor: 32-pixel merge cells (patch 16 x merge 2), mean/std 0.5; the
+    # pixel budget in "size" as the hub writes it (its 64 to 16384 cells scaled to 4 to 256)
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                              min_pixels=64 * 64, max_pixels=256 * 32 * 32,
                              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
                              ).save_pretrained(out_dir)
+    edit_json(os.path.join(out_dir, "preprocessor_config.json"),
+              image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor")
     # Qwen3-VL's video processor settings (one pixel budget per clip, frames x h x w), small
     with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
         json.dump({"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
