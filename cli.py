@@ -175,7 +175,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
         elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
                 f.name.endswith("_tensor_parallel_size"):
             g.add_argument(*flags, type=int, **kw)
-        elif hint is float:
+        elif hint is float or f.name.endswith("_gpu_memory_utilization"):
             g.add_argument(*flags, type=float, **kw)
         elif f.name == "limit_mm_per_prompt":
             kw["default"] = None
@@ -232,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if mod is None:
         parser.error(f"unknown command {args.command}")
     # NOTE: `serve`'s process (P0) runs no engine steps: glibc's own allocator thresholds.
-    apply_thread_policy(getattr(args, "cpu_threads", None), steps=args.command != "serve")
+    # A command whose engine runs on a GPU keeps torch's thread and allocator defaults.
+    from triptych.engine.platform import applies_host_policies
+
+    if args.command == "serve" or applies_host_policies(getattr(args, "device", None) or "auto"):
+        apply_thread_policy(getattr(args, "cpu_threads", None), steps=args.command != "serve")
     return int(mod.run(args) or 0)
 
 

@@ -86,8 +86,11 @@ class EngineConfig:
     max_num_seqs: int = 128  # requests running in one step at most
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) computed in one step at most
     block_size: int = 16  # tokens per KV cache block
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use (weights + KV)
-    kv_cache_memory: int | str = "1GiB"  # CPU: bytes of KV cache of each engine worker, e.g. '2GiB', '512MiB'. Left at its default, each colocated or decode worker takes 1GiB and each prefill worker of P+D 512MiB (it holds a prompt only until the decode side has it); set, every prefill and decode worker takes this much. Encode workers hold none
+    gpu_memory_utilization: float = 0.9  # CUDA: this server's share of each GPU's total memory (weights, activations, KV cache); start-up refuses when less than that is free. The KV cache is what a profile run at max_num_batched_tokens leaves of it. Pool workers on one GPU split it: encode workers take what they measure they need, prefill and decode workers (or colocated replicas) equal parts of the rest
+    encode_gpu_memory_utilization: float | None = None  # CUDA: the share of its GPU each encode worker takes instead (default: what it measures: weights, peak activation, encoder cache)
+    prefill_gpu_memory_utilization: float | None = None  # CUDA: the share of its GPU each prefill worker takes instead (default: an equal part of what encode leaves of gpu_memory_utilization)
+    decode_gpu_memory_utilization: float | None = None  # CUDA: the share of its GPU each decode worker takes instead (the same default). The shares of all workers on one GPU must sum to at most 1
+    kv_cache_memory: int | str | None = None  # bytes of KV cache of each engine worker, e.g. '2GiB', '512MiB' (vLLM: kv_cache_memory_bytes). Unset on the CPU: each colocated or decode worker takes 1GiB and each prefill worker of P+D 512MiB (it holds a prompt only until the decode side has it); unset on CUDA: what gpu_memory_utilization leaves after a profile run. Set, every prefill and decode worker takes this much, on CUDA too (no profile). Encode workers hold none
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (vLLM: num_gpu_blocks_override; testing, tight memory)
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes (images included via mm hashes)
     enable_chunked_prefill: bool = True  # split long prompts across steps to keep decodes flowing
@@ -186,9 +189,17 @@ class EngineConfig:
             raise ValueError("kv_transfer_timeout must be positive")
         if self.mm_processor_cache_type not in ("lru", "shm"):
             raise ValueError(f"mm_processor_cache_type must be 'lru' or 'shm', got {self.mm_processor_cache_type!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        parse_size(self.kv_cache_memory)
+        for name in ("gpu_memory_utilization", "encode_gpu_memory_utilization",
+                     "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:  # NOTE: also refuses NaN
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+            pool = name.removesuffix("_gpu_memory_utilization")
+            if v is not None and pool != name and not getattr(self, f"{pool}_workers"):
+                raise ValueError(f"{name} needs {pool}_workers > 0 (one engine takes "
+                                 "gpu_memory_utilization)")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
         if not 0 <= self.mm_processor_cache_gb < float("inf"):  # NOTE: also refuses NaN
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
         if parse_size(self.encoder_cache_size) < 0:

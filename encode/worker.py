@@ -57,7 +57,8 @@ class EncodeWorker(Handler):
                           self.runner.cache.capacity_bytes,
                           weight_parts=self.loaded.weight_parts,
                           weight_bytes=dict(self.loaded.weight_bytes or {}),
-                          rank_weight_bytes=self.loaded.group_weight_bytes())
+                          rank_weight_bytes=self.loaded.group_weight_bytes(),
+                          gpu_memory_share=self.loaded.gpu_memory_share)
 
     def handle(self, msg: Any, frames: list[bytes]) -> list[msgspec.Struct]:
         if isinstance(msg, wire.AbortRequest):

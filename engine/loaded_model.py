@@ -34,6 +34,8 @@ class LoadedModel:
     weight_bytes: dict[str, int] | None = None  # measured bytes per part (vision, language)
     # each rank's weight_bytes, rank 0 first, as each process measured its own (a group)
     rank_weight_bytes: list[dict[str, int]] | None = None
+    gpu_memory_share: float = 0.0  # CUDA: the share of its device it measured it needs
+    # (an encode worker, engine/memory.py), 0: not measured
 
     def weight_stats(self) -> dict[str, float]:
         """The worker's resident weight bytes per part, all its ranks together, for its

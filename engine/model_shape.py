@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from triptych.config import EngineConfig, parse_size
+from triptych.config import EngineConfig
 from triptych.models.contract import contract_for
 
 
@@ -116,26 +116,24 @@ def kv_block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype,
 
 
 def num_kv_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
-                  device: torch.device, tp_size: int = 1) -> int:
-    """KV blocks of one engine: ``num_kv_blocks``, else what the memory budget holds.
+                  device: torch.device, tp_size: int = 1) -> int | None:
+    """KV blocks of one engine: ``num_kv_blocks``, else what ``kv_cache_memory`` holds, else
+    None on CUDA: a profile run sizes the cache from the worker's share of its device
+    (engine/memory.py, parallel/loader.py).
 
     A block of a tensor-parallel group is split over its ranks by KV heads (replicated when
     heads are fewer than ranks). On CUDA each rank's device has its own budget; on the CPU
     the ranks share the host, so kv_cache_memory is the whole group's."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
+    from triptych.engine.memory import blocks_for, explicit_kv_bytes
     from triptych.models.tp_plan import local_kv_heads
 
+    budget = explicit_kv_bytes(config, device.type)
+    if budget is None:
+        return None
     per_block = kv_block_bytes(shape, config.block_size, dtype,
                                local_kv_heads(shape.num_kv_heads, tp_size))
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * config.gpu_memory_utilization) - (total - free) - (1 << 30)
-    else:
-        budget = parse_size(config.kv_cache_memory)
+    if device.type != "cuda":
         per_block *= tp_size
-    n = budget // per_block
-    if n < 2:
-        raise ValueError(f"KV cache budget {budget} bytes holds no blocks ({per_block} bytes "
-                         "each): raise kv_cache_memory or gpu_memory_utilization")
-    return int(n)
+    return blocks_for(budget, per_block, "kv_cache_memory")

@@ -19,22 +19,40 @@ import logging
 from typing import Any
 
 import torch
-from triptych.config import EngineConfig
+from triptych.config import EngineConfig, parse_size
 from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.loaded_model import LoadedModel
+from triptych.engine.memory import (
+    encode_share,
+    gib,
+    kv_blocks_from_share,
+    share_flag,
+    start_snapshot,
+)
 from triptych.engine.model_runner import ModelRunner
 from triptych.engine.model_shape import (
     ModelShape,
     check_batch_budget,
+    kv_block_bytes,
     num_kv_blocks,
     resolve_cpu_weights,
     resolve_device,
-    resolve_dtype,
     resolve_max_model_len,
 )
+from triptych.engine.profile_run import (
+    ProfileMeter,
+    largest_image,
+    max_image_tokens,
+    profile_blocks,
+    profile_step,
+    run_encoder_profile,
+    run_profile,
+)
+from triptych.engine.request import MMItem
 from triptych.models.weight_parts import parts_for_pool, weight_bytes
+from triptych.parallel import wire as tp_wire
 from triptych.parallel.group import TPGroup, start_group
 from triptych.parallel.runner import TPEncoder, TPModelRunner
 
@@ -62,6 +80,7 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     device = resolve_device(config.device)
+    start = start_snapshot(config, role, pool, device)  # CUDA: refuses a share not free
     hf, dtype, backend, shape = read_checkpoint(config, device)
     max_model_len = resolve_max_model_len(config, shape.max_position_embeddings)
     if role == "engine":
@@ -90,8 +109,14 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
         loaded = LoadedModel(model, hf, shape, device, dtype, backend, max_model_len, encoder,
                              group=group, weight_parts=parts, weight_bytes=held,
                              rank_weight_bytes=ranks)
+        meter = ProfileMeter(device, start) if start is not None else None
+        if meter is not None:
+            meter.loaded()
         if role == "engine":
-            loaded.runner, loaded.num_blocks = _model_runner(config, loaded, group, backend)
+            loaded.runner, loaded.num_blocks = _model_runner(config, loaded, group, backend,
+                                                             meter, pool)
+        elif meter is not None:
+            loaded.gpu_memory_share = _encode_share(config, loaded, meter)
     except BaseException:
         if group is not None:
             group.close()
@@ -102,16 +127,14 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
 def read_checkpoint(config: EngineConfig, device: torch.device
                     ) -> tuple[Any, torch.dtype, str, ModelShape]:
     """The checkpoint's HF config, and the dtype, attention backend and shape it resolves
-    to on ``device`` (every rank of a group reads the same). A model whose CPU linear
-    layers pack their weights computes in fp32 (``resolve_cpu_weights``)."""
+    to on ``device`` (every rank of a group reads the same): the device's choices are
+    ``engine/platform.py``'s."""
     from transformers import AutoConfig
-    from triptych.kernels import resolve_backend
+    from triptych.engine.platform import platform_for
 
     hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-    dtype = torch.float32 if resolve_cpu_weights(config, device) else \
-        resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
-    backend = resolve_backend(config.attention_backend, device.type)
-    return hf, dtype, backend, ModelShape.from_hf(hf)
+    platform = platform_for(config, device, getattr(hf, "dtype", None))
+    return hf, platform.dtype, platform.attention_backend, ModelShape.from_hf(hf)
 
 
 def load_engine_core(config: EngineConfig, eos_token_id: int | None = None,
@@ -128,13 +151,19 @@ def load_engine_core(config: EngineConfig, eos_token_id: int | None = None,
 
 
 def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
-                  backend: str) -> tuple[ModelRunner, int]:
-    """Rank 0's runner and the group's agreed number of KV blocks."""
+                  backend: str, meter: ProfileMeter | None = None, pool: str = ""
+                  ) -> tuple[ModelRunner, int]:
+    """Rank 0's runner and the group's agreed number of KV blocks: from the knobs, or (CUDA,
+    neither num_kv_blocks nor kv_cache_memory) by a profile run on a small cache, whose
+    measurements size the real one (``_size_by_profile``)."""
     from triptych.kernels import get_ops
     from triptych.models.tp_plan import local_kv_heads
 
     tp = config.tensor_parallel_size
     num_blocks = num_kv_blocks(config, m.shape, m.dtype, m.device, tp)
+    profile = num_blocks is None
+    if profile:
+        num_blocks = profile_blocks(config)
     if group is not None:
         num_blocks = group.ctx.min_int(num_blocks)  # every rank holds the same blocks
     kw: dict[str, Any] = {
@@ -142,7 +171,66 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
         "num_layers": m.shape.num_layers, "head_dim": m.shape.head_dim,
         "dtype": m.dtype, "device": m.device, "ops": get_ops(backend), "seed": config.seed,
         "num_kv_heads": local_kv_heads(m.shape.num_kv_heads, tp)}
+    runner = ModelRunner(m.model, m.encoder, **kw) if group is None else TPModelRunner(
+        group, m.model, m.encoder, num_kv_heads_total=m.shape.num_kv_heads, **kw)
+    if profile:
+        assert meter is not None, "a profile run measures CUDA memory"
+        num_blocks = _size_by_profile(config, m, runner, group, meter, pool)
+    return runner, num_blocks
+
+
+def _profile_image(config: EngineConfig, m: LoadedModel) -> MMItem | None:
+    """The largest image the limits allow, for a worker that runs the vision tower."""
+    if m.weight_parts == "language" or config.limit_mm_per_prompt.get("image", 0) < 1:
+        return None
+    return largest_image(config.model, m.hf_config, max_image_tokens(config, m.max_model_len))
+
+
+def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
+                     group: TPGroup | None, meter: ProfileMeter, pool: str) -> int:
+    """One step at the limits on the small cache, then the real cache from the share: the
+    KV blocks of this worker (the smallest any rank's share holds, in a group)."""
+    from triptych.models.tp_plan import local_kv_heads
+
+    step = profile_step(config, m.shape, m.hf_config, m.max_model_len, _profile_image(config, m))
+    meter.begin()
+    run_profile(runner, step)
+    usage = meter.usage(parse_size(config.encoder_cache_size))
+    flag = share_flag(config, pool)
+    requested = int(meter.start.total * config.gpu_memory_utilization)
+    per_block = kv_block_bytes(m.shape, config.block_size, m.dtype,
+                               local_kv_heads(m.shape.num_kv_heads, config.tensor_parallel_size))
     if group is None:
-        return ModelRunner(m.model, m.encoder, **kw), num_blocks
-    return TPModelRunner(group, m.model, m.encoder, num_kv_heads_total=m.shape.num_kv_heads,
-                         **kw), num_blocks
+        n = kv_blocks_from_share(requested, usage, per_block, flag)
+    else:  # NOTE: the ranks wait in min_int whatever rank 0 finds: join them, then refuse
+        group.send(tp_wire.SizeKV())
+        try:
+            n, why = kv_blocks_from_share(requested, usage, per_block, flag), ""
+        except ValueError as e:
+            n, why = 0, str(e)
+        n = group.ctx.min_int(n)
+        if n < 2:
+            raise ValueError(why or "a tensor-parallel rank's share leaves no room for a KV "
+                                    f"cache (its log says why): raise {flag}")
+    runner.allocate_kv_cache(n)
+    logger.info("KV cache: %d blocks (%s) of a share of %s (%s %g): %s", n,
+                gib(n * per_block), gib(requested), flag, config.gpu_memory_utilization,
+                usage.describe())
+    return n
+
+
+def _encode_share(config: EngineConfig, m: LoadedModel, meter: ProfileMeter) -> float:
+    """An encode worker's need, as a share of its device: the tower over the largest image,
+    its weights and its encoder cache (ValueError when its own share is smaller)."""
+    image = _profile_image(config, m)
+    meter.begin()
+    if image is not None:
+        run_encoder_profile(m.encoder, image)
+    usage = meter.usage(parse_size(config.encoder_cache_size))
+    share = encode_share(usage, meter.start.total)
+    given = config.encode_gpu_memory_utilization
+    if given is not None and share > given:
+        raise ValueError(f"an encode worker needs {share:g} of its GPU ({usage.describe()}), "
+                         f"more than --encode-gpu-memory-utilization {given:g}: raise it")
+    logger.info("encode worker needs %g of its GPU (%s)", share, usage.describe())
+    return share

@@ -11,6 +11,8 @@ no request state): every rank runs it and joins the same collectives in the same
                "weights" mode, its share in "data" mode) and the assignment
     ReadKV     gather these KV blocks' head slices to rank 0 (a prefill worker's export)
     WriteKV    write this rank's head slice of these KV blocks (a decode worker's import)
+    SizeKV     after rank 0's profile run (CUDA): size this rank's KV cache from its share
+               of its device, agree on the group's smallest, allocate it
     Stop       leave the loop
 """
 from __future__ import annotations
@@ -71,11 +73,16 @@ class RecvKV(msgspec.Struct, tag="recv_kv"):
     timeout_s: float  # the slice left before rank 0 got the transfer's header: short
 
 
+class SizeKV(msgspec.Struct, tag="size_kv"):
+    """The profile run is over: each rank computes the blocks its share of its device holds
+    after what it measured, the group takes the smallest (one ``min_int``), all allocate."""
+
+
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = Forward | Encode | ReadKV | WriteKV | SendKV | RecvKV | Stop
+Command = Forward | Encode | ReadKV | WriteKV | SendKV | RecvKV | SizeKV | Stop
 STEP_ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q",
                "seq_lens", "sample_rows", "logits_index")
 _encoder = msgspec.msgpack.Encoder()

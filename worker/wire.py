@@ -126,6 +126,8 @@ class Hello(msgspec.Struct, tag="hello"):
     weight_parts: str = ""  # all | vision | language: the submodules it loaded (/health)
     weight_bytes: dict[str, int] = {}  # its resident weight bytes per part, measured
     rank_weight_bytes: list[dict[str, int]] = []  # a group's: each rank's, rank 0 first
+    gpu_memory_share: float = 0.0  # CUDA: the share of its device it measured it needs
+    # (an encode worker without --encode-gpu-memory-utilization); 0: not measured
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
