@@ -10,6 +10,12 @@
                     backoff; no error stops the watch.
     stop_all()      SIGTERM to every worker, SIGKILL after a grace period, run dir removed
 
+Local workers that share a CUDA device (``gpu``: router/layout.py's GpuShares) start one at
+a time: a worker is started once no other is still starting, so each one finds the device
+as the previous ones left it (engine/memory.py refuses a share that is not free), and
+prefill / decode workers get their share once the encode workers measured theirs. The CPU
+(and Ray, whose actors get GPUs of their own) start every worker at once.
+
 Workers exit by themselves when P0 dies (worker_loop: PDEATHSIG + parent check), so a
 kill -9 of the server leaves nothing running. What a killed server could not remove (its
 run dir under the temp dir) is removed by the next server at start (``clean_stale``).
@@ -33,6 +39,7 @@ import msgspec
 from triptych.connector.owner import make_owned_dir, owner_alive, release
 from triptych.connector.segments import pid_alive
 from triptych.router.handle import WorkerHandle
+from triptych.router.layout import GpuShares
 from triptych.worker.loop import WorkerSpec
 from triptych.worker.threads import thread_env
 
@@ -82,11 +89,14 @@ class Supervisor:
     def __init__(self, router_address: str, eos_token_id: int | None,
                  on_exit: Callable[[WorkerHandle, int], None], shm_ring: str | None = None,
                  heartbeat_timeout_s: float = 10.0, max_step_s: float = 0.0,
-                 launcher: Callable[[WorkerHandle, WorkerSpec], object] | None = None) -> None:
+                 launcher: Callable[[WorkerHandle, WorkerSpec], object] | None = None,
+                 gpu: GpuShares | None = None) -> None:
         """``launcher(worker, spec)``: starts the worker elsewhere (a Ray actor,
         router/ray_backend.py) and returns a process-like handle; default: a local
-        process."""
+        process. ``gpu``: the workers share a CUDA device (start them in turn)."""
         self.launcher = launcher
+        self.gpu = gpu
+        self._in_turn: list[WorkerHandle] = []  # waiting for the device (state "waiting")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_step_s = max_step_s  # a step longer than this is hung (0: never)
         self._last_round = 0.0  # monotonic time of the watch's previous round
@@ -106,6 +116,14 @@ class Supervisor:
         kernel's parent-death signal follows the thread that started the child."""
         if w not in self.workers:
             self.workers.append(w)
+        if self.gpu is not None and w.remote is None and \
+                any(x.state == "starting" and x.proc is not None for x in self.workers):
+            if w not in self._in_turn:
+                self._in_turn.append(w)
+            w.state = "waiting"  # NOTE: not up, not dead: check() starts it in its turn
+            return
+        if self.gpu is not None and not self._set_share(w):
+            return
         if w.proc is not None:
             w.incarnation += 1
         spec = WorkerSpec(worker_id=w.identity, pool=w.pool, router_address=self.router_address,
@@ -131,6 +149,33 @@ class Supervisor:
         w.busy_s = 0.0
         logger.info("started %s (pid %d)", w.identity, w.proc.pid)
 
+    def _set_share(self, w: WorkerHandle) -> bool:
+        """Give ``w`` its share of the device, now that the encode workers before it said
+        what they need; False (logged, taken as a failed start) when the shares cannot fit."""
+        assert self.gpu is not None
+        need = max((x.info.get("gpu_memory_share", 0.0) for x in self.workers
+                    if x.pool == "encode" and x.up), default=0.0)
+        try:
+            share = self.gpu.share(w.pool, need)
+        except ValueError as e:
+            logger.error("cannot start %s: %s", w.name, e)
+            self._note_error(f"starting {w.name}: {e}")
+            w.state, w.spawn_error = "dead", str(e)
+            self._schedule_restart(w, time.monotonic())
+            self.on_exit(w, 1)
+            return False
+        if share is not None:
+            w.config = {**w.config, "gpu_memory_utilization": share}
+        return True
+
+    def _next_in_turn(self) -> None:
+        """Start the next worker waiting for the device once none is starting."""
+        if self._in_turn and not self._stopping and \
+                not any(x.state == "starting" and x.proc is not None for x in self.workers):
+            w = self._in_turn.pop(0)
+            if w.state == "waiting":
+                self.spawn(w)
+
     async def watch(self) -> None:
         """Notice exits and silences, report them, restart after the backoff. Runs until
         cancelled; an error in one round is logged and counted, and the next round runs."""
@@ -149,6 +194,7 @@ class Supervisor:
         if self._last_round and now - self._last_round > 1.0:
             self._attentive_since = now
         self._last_round = now
+        self._next_in_turn()
         for w in self.workers:
             if w.state in ("starting", "up", "stalled") and w.proc and w.proc.poll() is not None:
                 code = w.proc.returncode
