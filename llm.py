@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 from tqdm.auto import tqdm
@@ -35,6 +35,7 @@ from triptych.engine.beam_search import (
     beam_output,
     beam_prompt,
 )
+from triptych.engine.memory import release_device_memory
 from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams
 
@@ -87,9 +88,22 @@ class LLM:
         return self.tokenizer
 
     def close(self) -> None:
-        """Stop the worker processes (pools); the in-process engine needs nothing."""
+        """Stop the worker processes (pools), or release the in-process engine: its model,
+        KV cache and encoder cache are dropped (on CUDA their memory goes back to the
+        device, so another engine in this process starts with the whole share)."""
         if self.pools is not None:
             self.pools.close()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+            del engine
+            release_device_memory()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
