@@ -51,9 +51,27 @@ INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cac
 
 
 def missing_packages() -> list[str]:
-    import importlib.util
+    """Each needed package that does not import (absent, or broken beside the others),
+    with the reason. Imports only: the parent never touches the GPU (its CUDA context
+    would take memory from the pools' shares)."""
+    import importlib
 
-    return [pip for mod, pip in NEEDS.items() if importlib.util.find_spec(mod) is None]
+    bad = []
+    for mod, pip in NEEDS.items():
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 - any import failure is a missing package
+            bad.append(f"{pip} ({type(e).__name__}: {str(e)[:120]})")
+    return bad
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "transformers"):
+        out[mod] = getattr(sys.modules.get(mod), "__version__", "?")
+    return out
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -87,10 +105,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     lack = missing_packages()
     if lack:
-        print(f"gpu_check: missing packages: {', '.join(lack)}. Download them with `bash "
+        print(f"gpu_check: missing packages: {'; '.join(lack)}.\nDownload them with `bash "
               f"../shared/gpu/wheels.sh` (in the checkout), send .whl along, and start with\n"
               f"  {INSTALL}", file=sys.stderr)
         return 2
+    env = versions()
+    print(f"gpu_check: {', '.join(f'{k} {v}' for k, v in env.items())}; steps {', '.join(names)}"
+          f" within {args.budget:.0f} s; figures in {out}", flush=True)
     t_end = time.monotonic() + args.budget
     results = []
     for name in names:
@@ -104,19 +125,20 @@ def run(args: argparse.Namespace) -> int:
         results.append(res)
         print(f"[{name}] {'ok' if res.get('ok') else 'FAILED' if res.get('ok') is False else '-'}"
               f" in {res.get('seconds', 0):.0f} s: {res.get('summary', '')}", flush=True)
-    md = summary_md(results, args.cpu_smoke)
+    md = summary_md(results, args.cpu_smoke, env)
     (out / "summary.md").write_text(md)
-    _write(out / "summary.json", {"steps": results})
+    _write(out / "summary.json", {"versions": env, "steps": results})
     print("\n" + md)
     return 0 if all(r.get("ok") is not False for r in results) else 1
 
 
-def summary_md(results: list[dict[str, Any]], smoke: bool) -> str:
+def summary_md(results: list[dict[str, Any]], smoke: bool, env: dict[str, str]) -> str:
     """The table for docs/performance.md: one row per step."""
     import datetime
 
     device = next((r["device"] for r in results if r.get("device")), "?")
-    head = (f"GPU check on {device}, {datetime.date.today()}"
+    head = (f"GPU check on {device}, {datetime.date.today()}, "
+            + ", ".join(f"{k} {v}" for k, v in env.items())
             + (" (--cpu-smoke: tiny shapes, not figures)" if smoke else "")
             + ": `python -m triptych.bench.gpu_check --out DIR`\n\n"
             "| step | status | s | result | target |\n| --- | --- | ---: | --- | --- |\n")
