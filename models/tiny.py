@@ -10,7 +10,10 @@ and even `Qwen2VLProcessor(image_processor=..., tokenizer=..., video_processor=N
 (its class check walks the video-processor registry). Choice: no HF processor object;
 api/processor.py pairs the tokenizer with `AutoImageProcessor(backend="pil")` (the PIL
 processor), expands placeholders as Qwen2VLProcessor does, and preprocesses videos itself
-(api/media/video.py) from video_preprocessor_config.json.
+(api/media/video.py) from video_preprocessor_config.json. The tests' oracle
+(models/hf_oracle.py ``load_hf_processor``) builds HF's processor class from these files
+all the same, without a video processor, so the processor files are written as the hub's
+checkpoints write them.
 """
 from __future__ import annotations
 
