@@ -27,8 +27,12 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from triptych.models.tiny import (SPECIAL_TOKENS, _train_tokenizer, edit_json,
-                                      save_tokenizer_files)
+    from triptych.models.tiny import (
+        SPECIAL_TOKENS,
+        _train_tokenizer,
+        edit_json,
+        save_tokenizer_files,
+    )
 
     head_dim = head_dim or 2 * (hidden_size // num_heads)
     half = head_dim // 2
