@@ -141,7 +141,7 @@ def _decoding(llm: Any, prompts: list[list[int]]) -> Any:
     decode steps in (past first-use costs): every step from here decodes all of them."""
     eng = llm.engine
     for i, ids in enumerate(prompts):
-        eng.add_request(f"d{i}", ids, greedy(10_000))
+        eng.add_request(f"d{i}", ids, greedy(2048))  # (within max_model_len)
     sched = eng.scheduler
     while sched.waiting or any(r.num_output_tokens < 1 for r in sched.running):
         eng.step()
