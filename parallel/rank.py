@@ -49,8 +49,10 @@ def run_rank(spec: Any) -> None:
     import torch.distributed as dist
     import zmq
     from triptych.config import EngineConfig
+    from triptych.engine.memory import start_snapshot
     from triptych.engine.model_runner import ModelRunner
     from triptych.engine.model_shape import num_kv_blocks, resolve_cpu_weights, resolve_device
+    from triptych.engine.profile_run import ProfileMeter, profile_blocks
     from triptych.kernels import get_ops
     from triptych.models import load_model
     from triptych.models.tp_plan import local_kv_heads
@@ -76,6 +78,7 @@ def run_rank(spec: Any) -> None:
     device = rank_device(resolve_device(config.device), spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    start = start_snapshot(config, spec.role, "", device)  # CUDA: refuses a share not free
     ctx = TPContext.connect(store, spec.rank, spec.size, device)
     _, dtype, backend, shape = read_checkpoint(config, device)  # as rank 0 read it
     model, _ = load_model(config.model, dtype, str(device), backend, tp=ctx,
@@ -84,14 +87,20 @@ def run_rank(spec: Any) -> None:
                           parts=spec.weight_parts)
     held = weight_bytes(model)  # measured in this process: what it holds, not the plan
     publish_weight_bytes(store, spec.rank, held)
-    runner = None
+    runner = meter = None
     if spec.role == "engine":
-        blocks = ctx.min_int(num_kv_blocks(config, shape, dtype, device, spec.size))
+        blocks = num_kv_blocks(config, shape, dtype, device, spec.size)
+        if blocks is None:  # CUDA, sized by rank 0's profile run: measure ours (SizeKV)
+            meter = ProfileMeter(device, start)
+            meter.loaded()
+        blocks = ctx.min_int(blocks or profile_blocks(config))
         runner = ModelRunner(model, None, num_blocks=blocks, block_size=config.block_size,
                              num_layers=shape.num_layers,
                              num_kv_heads=local_kv_heads(shape.num_kv_heads, spec.size),
                              head_dim=shape.head_dim, dtype=dtype, device=device,
                              ops=get_ops(backend), seed=config.seed)
+        if meter is not None:
+            meter.begin()
     zctx = zmq.Context()
     sock = zctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
@@ -109,6 +118,9 @@ def run_rank(spec: Any) -> None:
                 cmd, tensors = tp_wire.decode(sock.recv_multipart())
                 if isinstance(cmd, tp_wire.Stop):
                     return
+                if isinstance(cmd, tp_wire.SizeKV):
+                    _size_kv(config, shape, dtype, spec.size, ctx, runner, meter)
+                    continue
                 execute(cmd, tensors, ctx, model, runner, shape, dtype, device, kv_io)
     finally:
         if kv_io is not None:
@@ -116,6 +128,27 @@ def run_rank(spec: Any) -> None:
         sock.close(0)
         zctx.term()
         ctx.close()
+
+
+def _size_kv(config: Any, shape: Any, dtype: Any, size: int, ctx: Any, runner: Any,
+             meter: Any) -> None:
+    """SizeKV: the blocks this rank's share holds after what it measured, the group's
+    smallest (rank 0 refuses below 2 blocks, naming the flag), allocated."""
+    from triptych.engine.memory import kv_blocks_from_share
+    from triptych.engine.model_shape import kv_block_bytes
+    from triptych.models.tp_plan import local_kv_heads
+
+    per_block = kv_block_bytes(shape, config.block_size, dtype,
+                               local_kv_heads(shape.num_kv_heads, size))
+    try:
+        n = kv_blocks_from_share(int(meter.start.total * config.gpu_memory_utilization),
+                                 meter.usage(), per_block, "--gpu-memory-utilization")
+    except ValueError as e:
+        logger.error("rank %d: %s", ctx.rank, e)
+        n = 0
+    n = ctx.min_int(n)
+    if n >= 2:
+        runner.allocate_kv_cache(n)
 
 
 def _rank_kv(spec: Any, config: Any) -> Any:
