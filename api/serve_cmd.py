@@ -106,6 +106,9 @@ def add_parser(subparsers: Any) -> None:
                         "'{\"video\": {\"num_frames\": 32, \"fps\": 1}}'")
     m.add_argument("--max-video-seconds", type=float, default=120.0,
                    help="longer videos are refused")
+    m.add_argument("--max-video-decode-seconds", type=float, default=20.0,
+                   help="wall time to decode one video's sampled frames (decoding starts at "
+                        "the keyframe before each sample); longer is refused")
     m.add_argument("--media-fetch-timeout", type=float, default=10.0,
                    help="seconds for one media URL, from waiting for a fetch slot to the "
                         "last byte")
@@ -153,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
             not 0 < args.max_body_share <= 1:
         fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0 and "
              "--max-body-share in (0, 1]")
-    if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0:
-        fail("--max-prompt-chars must be >= 0 and --media-fetch-timeout > 0")
+    if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0 or \
+            not args.max_video_decode_seconds > 0:
+        fail("--max-prompt-chars must be >= 0, --media-fetch-timeout and "
+             "--max-video-decode-seconds > 0")
     if 0 < args.max_inflight_body_bytes < args.max_request_bytes or \
             args.max_inflight_body_bytes < 0:
         fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
@@ -251,6 +256,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         max_image_pixels=limits.max_image_pixels, max_video_pixels=limits.max_video_pixels,
         max_request_pixels=limits.max_request_pixels, video_fps=fps, max_video_frames=frames,
         max_video_seconds=limits.max_video_seconds, fetch_timeout_s=limits.media_fetch_timeout,
+        max_video_decode_s=limits.max_video_decode_seconds,
         allowed_domains=tuple(d.strip() for d in limits.allowed_media_domains.split(","))
         if limits.allowed_media_domains else None,
         allowed_local_media_path=config.allowed_local_media_path,

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import io
 import math
+import time
 import warnings
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -140,14 +142,23 @@ def load_video(src: str | bytes | np.ndarray, limits: MediaLimits, pad: bool = T
 def decode_video(data: bytes, limits: MediaLimits, pad: bool = True
                  ) -> tuple[np.ndarray, float]:
     """``load_video`` of encoded bytes already read (the processor hashes them first)."""
-    frames, fps = _decode_video(data, limits)
+    frames, fps, _ = _decode_video(data, limits)
     return (_pad_even(frames) if pad else frames), fps
 
 
-def _decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
+def _decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float, int]:
+    """(frames, the rate sampled at, how many frames were decoded to get them).
+
+    The samples are spread over the whole video (``video_fps``, fewer when capped); frame
+    k is the first one at or after k / fps. Only what those frames need is decoded: the
+    packets are read first (cheap: no pixels), then decoding starts at the last keyframe
+    before each sample and skips whole stretches between samples, so a 2-minute clip at
+    120 fps costs about one keyframe interval per sample, not 14,400 frames. Decoding stops
+    at ``max_video_decode_s`` (a video with one keyframe still decodes linearly)."""
     import av
 
     cap = _frame_cap(limits)
+    started = time.monotonic()
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
@@ -166,34 +177,66 @@ def _decode_video(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, float]:
             # Spread the samples over the whole video: video_fps, or fewer when capped.
             want = min(cap, max(1, math.floor(dur * limits.video_fps)))
             fps = want / dur if dur > 0 else limits.video_fps
-            kept = want if dur > 0 else cap
-            _check_video_pixels(kept + kept % 2, cc.width, cc.height, limits)
+            want = want if dur > 0 else cap
+            _check_video_pixels(want + want % 2, cc.width, cc.height, limits)
             max_decoded = int(max(dur, 1.0) * _MAX_DECODE_FPS) + 1
-            frames: list[np.ndarray] = []
-            t0, next_t = None, 0.0
-            for i, frame in enumerate(container.decode(stream)):
-                if i >= max_decoded:
-                    raise MediaError("the video has more frames than its duration allows")
-                t = float(frame.pts * stream.time_base) if frame.pts is not None else next_t
-                t0 = t if t0 is None else t0
-                t -= t0
-                if t > limits.max_video_seconds:
-                    raise MediaError("video is longer than the duration limit")
-                if (frame.width, frame.height) != (cc.width, cc.height):
-                    # NOTE: the caps were checked against the header's size
-                    raise MediaError("the video's frame size changes mid-stream")
-                if t >= next_t - 1e-3:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                    next_t += 1.0 / fps
-                    if len(frames) >= (want if dur > 0 else cap):
-                        break
+            packets = []
+            for p in container.demux(stream):
+                if p.size:
+                    packets.append(p)
+                    if len(packets) > max_decoded:
+                        raise MediaError("the video has more frames than its duration "
+                                         "allows")
+            frames, decoded = _sample(cc, packets, stream.time_base, fps, want, limits,
+                                      started)
     except MediaError:
         raise
     except Exception:  # noqa: BLE001 - PyAV/FFmpeg errors: never echoed
         raise MediaError("cannot decode video: unsupported format or corrupt data") from None
     if not frames:
         raise MediaError("the video has no decodable frames")
-    return np.stack(frames), fps
+    return np.stack(frames), fps, decoded
+
+
+def _sample(cc: Any, packets: list, time_base: Any, fps: float, want: int,
+            limits: MediaLimits, started: float) -> tuple[list[np.ndarray], int]:
+    """Decode ``packets`` (decode order) for ``want`` frames at ``fps``, jumping to the last
+    keyframe before the next sample whenever that lies ahead (the decoder is flushed: what
+    it still held is older than that keyframe, so older than the sample)."""
+    seekable = all(p.pts is not None for p in packets)
+    t0 = float(min(p.pts for p in packets) * time_base) if seekable and packets else None
+    keys = [(float(p.pts * time_base) - t0, i) for i, p in enumerate(packets)
+            if p.is_keyframe] if t0 is not None else []
+    frames: list[np.ndarray] = []
+    decoded, next_t, i = 0, 0.0, 0
+    while True:
+        jump = next((k for t, k in reversed(keys) if t <= next_t + 1e-3), 0)
+        if jump > i:
+            cc.flush_buffers()
+            i = jump
+        packet = packets[i] if i < len(packets) else None  # None: drain the decoder
+        i += 1
+        for frame in cc.decode(packet):
+            decoded += 1
+            if time.monotonic() - started > limits.max_video_decode_s:
+                raise MediaError(f"decoding the video took longer than "
+                                 f"{limits.max_video_decode_s:g} s (--max-video-decode-seconds)"
+                                 "; send a shorter, smaller or more often keyframed video")
+            t = float(frame.pts * time_base) if frame.pts is not None else next_t
+            t0 = t if t0 is None else t0
+            t -= t0
+            if t > limits.max_video_seconds:
+                raise MediaError("video is longer than the duration limit")
+            if (frame.width, frame.height) != (cc.width, cc.height):
+                # NOTE: the caps were checked against the header's size
+                raise MediaError("the video's frame size changes mid-stream")
+            if t >= next_t - 1e-3:
+                frames.append(frame.to_ndarray(format="rgb24"))
+                next_t += 1.0 / fps
+                if len(frames) >= want:
+                    return frames, decoded
+        if packet is None:
+            return frames, decoded
 
 
 __all__ = ["IMAGE_FORMATS", "MediaError", "MediaLimits", "PixelBudget", "afetch_bytes",

@@ -40,6 +40,7 @@ class MediaLimits:
     video_fps: float = 2.0  # frames sampled per second of video
     max_video_seconds: float = 300.0  # longer videos are refused
     max_video_pixels: int = 128_000_000  # kept frames x width x height, per video
+    max_video_decode_s: float = 20.0  # decoding one video's sampled frames, wall time
     max_request_pixels: int = 256_000_000  # decoded pixels per request (with a budget)
     fetch_timeout_s: float = 10.0  # whole download, connect and redirects included
     max_redirects: int = 3
