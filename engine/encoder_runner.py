@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
-
+from triptych.engine.device_io import to_device
 from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.request import MMItem
 
-# (pixel_values [P, patch_dim], grid_thw [N, 3]) -> one [rows_i, hidden] tensor per item
-EncodeFn = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+# (pixel_values [P, patch_dim] on the device, grid_thw [N, 3] on the HOST) -> one
+# [rows_i, hidden] tensor per item. NOTE: the grid stays on the host: the tower derives its
+# indices and sizes there and never reads the device back.
+EncodeFn = Callable[[torch.Tensor, np.ndarray], list[torch.Tensor]]
 
 
 class EncoderRunner:
@@ -53,8 +56,9 @@ class EncoderRunner:
         self.cache.acquire(hits)
         try:
             todo = list(missing.values())
-            pixels = torch.cat([it.pixel_values for it in todo]).to(self.device, self.dtype)
-            grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long, device=self.device)
+            pixels = to_device(torch.cat([it.pixel_values for it in todo]),
+                               self.device).to(self.dtype)
+            grid = np.array([it.grid_thw for it in todo], dtype=np.int64)
             embs = self.encode_fn(pixels, grid)
             for it, emb in zip(todo, embs):
                 if emb.shape[0] != it.length:

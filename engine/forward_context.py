@@ -24,10 +24,13 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B+1] int32: query chunk boundaries in the flat batch
     seq_lens: torch.Tensor  # [B] int32: context length per sequence after this step
     max_query_len: int  # longest query chunk; 1 means a pure decode batch
-    # Host copies of the two above (the runner has them anyway): reading them never syncs
-    # a device, and None is fine (they are derived on first use).
+    # NOTE: host values, so that no kernel wrapper reads a device tensor back (a sync per
+    # layer on a GPU): the longest context, host copies of cu_seqlens_q / seq_lens (None:
+    # derived on first use), and whether any slot is -1 (padding rows that write nowhere).
+    max_seq_len: int | None = None
     cu_seqlens_q_cpu: np.ndarray | None = None
     seq_lens_cpu: np.ndarray | None = None
+    padded: bool | None = None  # None: unknown (looked up on the device)
     # Per-forward values derived from the fields above (gather indices, masks, rotary
     # cos/sin): built by the first layer that needs them, reused by every other layer.
     plans: dict[str, Any] = field(default_factory=dict)

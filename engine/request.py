@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from triptych.engine.sampling_params import SamplingParams
 
@@ -62,7 +63,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
-    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64, set on admission
+    # [3, num_prompt_tokens] int64, set on admission; kept as a host array (a tensor given
+    # is converted once, here), read by the batch every prefill step without a device read
+    mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0  # decode position = token index + mrope_delta
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks
     stop_reason: int | str | None = None  # the stop token / string that finished it
@@ -74,6 +77,10 @@ class Request:
     prompt_logprobs_sent: bool = False
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mrope_positions, torch.Tensor):
+            self.mrope_positions = self.mrope_positions.numpy()
 
     @property
     def num_prompt_tokens(self) -> int:

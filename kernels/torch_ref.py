@@ -16,9 +16,13 @@ import torch
 import torch.nn.functional as F
 
 
-def cache_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def cache_plan(slot_mapping: torch.Tensor, padded: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(slots to write, mask of valid rows or None when every row is valid): one check per
-    forward instead of a device sync in every layer."""
+    forward instead of one in every layer. ``padded`` False (the host knows no slot is -1)
+    skips the check, which reads the device."""
+    if padded is False:
+        return slot_mapping, None
     valid = slot_mapping >= 0
     if bool(valid.all()):
         return slot_mapping, None
@@ -55,10 +59,11 @@ class DecodePlan(NamedTuple):
     mask: torch.Tensor  # [B, 1, 1, nblk * block_size] float: 0 inside the context, -inf past it
 
 
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-                ) -> DecodePlan:
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                max_seq_len: int | None = None) -> DecodePlan:
+    """``max_seq_len``: the longest context, from the host (None: read from ``seq_lens``)."""
     b = block_tables.shape[0]
-    max_len = int(seq_lens.max()) if b else 0
+    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max()) if b else 0
     nblk = (max_len + block_size - 1) // block_size
     pos = torch.arange(nblk * block_size, device=block_tables.device)
     past = pos[None, :] >= seq_lens[:, None].to(pos.device)  # [B, L]: beyond the context
@@ -75,6 +80,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32: context length including the query token
     scale: float,
     plan: DecodePlan | None = None,  # per-forward gather indices and mask (decode_plan)
+    max_seq_len: int | None = None,  # the longest context, known on the host
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one new token per sequence over its whole paged context (GQA aware).
 
@@ -87,7 +93,7 @@ def paged_decode_attention(
     if b == 0:
         return q.new_empty(b, h, d)
     if plan is None:
-        plan = decode_plan(block_tables, seq_lens, bs)
+        plan = decode_plan(block_tables, seq_lens, bs, max_seq_len)
     length = plan.num_blocks * bs
     # One index_select of whole blocks on a flat view: [B*nblk, bs*Hkv*D] -> [B, Hkv, L, D]
     k = k_cache.view(nb, -1).index_select(0, plan.block_idx).view(b, length, hkv, d)
@@ -148,6 +154,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32: context length including this chunk
     scale: float,
     plan: list[PrefillGroup] | None = None,  # per-forward grouping (prefill_plan)
+    max_query_len: int | None = None,  # unused here (the plan has the shapes): the Triton
+    # twin's launch size
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each query chunk over its cached prefix and itself.
 
@@ -184,13 +192,15 @@ def varlen_attention(
     v: torch.Tensor,  # [T, H, D]
     cu_seqlens: torch.Tensor,  # [N+1] int32: segment boundaries
     scale: float,
+    max_seqlen: int | None = None,  # unused here: the Triton twin's launch size
+    cu_seqlens_cpu: Any = None,  # host copy of cu_seqlens (numpy or list: no device read)
 ) -> torch.Tensor:  # [T, H, D]
     """Bidirectional attention inside each segment (vision patches of one image / window).
 
     Runs of consecutive segments of equal length (the frames of same-sized images, the
     full windows of Qwen2.5-VL) are one batched SDPA call each."""
     out = torch.empty_like(q)
-    cu = cu_seqlens.tolist()
+    cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     h, d = q.shape[1], q.shape[2]
     i = 0
     while i < len(cu) - 1:

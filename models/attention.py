@@ -29,19 +29,23 @@ class PagedAttention(nn.Module):
         fn = ops.reshape_and_cache
         make = getattr(fn, "make_plan", None)
         extra = {} if make is None else {"plan": meta.plan(
-            "cache", lambda: make(meta.slot_mapping))}
+            "cache", lambda: make(meta.slot_mapping, meta.padded))}
         fn(k, v, k_cache, v_cache, meta.slot_mapping, **extra)
         bs = k_cache.shape[1]
+        # NOTE: the host knows every size a kernel launch needs (max lengths): passed down,
+        # so no backend reads a device value back inside the forward.
         if meta.max_query_len == 1:
             fn = ops.paged_decode_attention
             make = getattr(fn, "make_plan", None)
-            extra = {} if make is None else {"plan": meta.plan(
-                "decode", lambda: make(meta.block_tables, meta.seq_lens, bs))}
+            extra = {"max_seq_len": meta.max_seq_len} if make is None else {
+                "plan": meta.plan("decode", lambda: make(meta.block_tables, meta.seq_lens, bs,
+                                                         meta.max_seq_len))}
             return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **extra)
         fn = ops.paged_prefill_attention
         make = getattr(fn, "make_plan", None)
-        extra = {} if make is None else {"plan": meta.plan("prefill", lambda: make(
-            meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, bs, meta.cu_seqlens_q_cpu,
-            meta.seq_lens_cpu))}
+        extra = {"max_query_len": meta.max_query_len} if make is None else {
+            "plan": meta.plan("prefill", lambda: make(
+                meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, bs, meta.cu_seqlens_q_cpu,
+                meta.seq_lens_cpu))}
         return fn(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                   self.scale, **extra)

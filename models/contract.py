@@ -145,9 +145,12 @@ class ModelContract:
 def write_vision_rows(embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]) -> None:
     """Overwrite placeholder rows of the flat batch with the payloads' embedding columns
     (the first ``hidden`` of each payload row; extras are the model's business)."""
+    from triptych.engine.device_io import to_device
+
     hidden = embeds.shape[1]
-    for row, payload in spans:
-        embeds[row:row + payload.shape[0]] = payload[:, :hidden].to(embeds.dtype)
+    for row, payload in spans:  # (payloads received from the encode pool are on the host)
+        embeds[row:row + payload.shape[0]] = to_device(payload[:, :hidden],
+                                                       embeds.device).to(embeds.dtype)
 
 
 def contract_names() -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from triptych.kernels import get_ops
+from triptych.models.vision import host_grid
 from triptych.models.qwen2_vl import Qwen2TextModel, Qwen2VLForCausalLM, text_head_dim
 from triptych.models.qwen3_vl import Qwen3TextModel, interleaved_rope_plan
 from triptych.models.weight_parts import check_parts
@@ -137,8 +138,9 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
         if self.parts == "language":
             raise ValueError("this worker loaded the language model only (no vision tower): "
                              "its images must come encoded from the encode pool")
-        tiles = [int(t) for t in grid_thw[:, 0].tolist()]
-        g = int(grid_thw[0, 1])
+        grid = host_grid(grid_thw)  # (the engine's grid is a host array already)
+        tiles = grid[:, 0].tolist()
+        g = int(grid[0, 1])
         emb = self.visual(unpatchify(pixel_values, sum(tiles), g, self.patch))
         per_tile = emb.shape[1]
         return [e.reshape(n * per_tile, -1) for e, n in zip(emb.split(tiles), tiles)]

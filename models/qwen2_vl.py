@@ -23,7 +23,7 @@ from triptych.models.attention import PagedAttention
 from triptych.models.checkpoint_names import hub_name, map_checkpoint_name, read_piece
 from triptych.models.contract import write_vision_rows
 from triptych.models.parallel_layers import FusedLinear, Shard
-from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer, host_grid
 from triptych.models.weight_parts import check_parts, holds
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
@@ -280,8 +280,9 @@ class Qwen2VLForCausalLM(nn.Module):
         if self.parts == "language":
             raise ValueError("this worker loaded the language model only (no vision tower): "
                              "its images must come encoded from the encode pool")
-        emb = self.visual(pixel_values, grid_thw)
-        sizes = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
+        grid = host_grid(grid_thw)  # (the engine's grid is a host array already)
+        emb = self.visual(pixel_values, grid)
+        sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
         return list(emb.split(sizes))
 
     def shard_table(self) -> dict[str, list[Shard]]:

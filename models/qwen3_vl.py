@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from triptych.engine.device_io import to_device
 from triptych.kernels import get_ops, torch_ref
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows
@@ -214,8 +215,8 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         if not self.num_deepstack or not spans:
             return {}
         dev = embeds.device
-        rows = torch.cat([torch.arange(r, r + p.shape[0], device=dev) for r, p in spans])
-        feats = torch.cat([p[:, self.hidden:] for _, p in spans]).to(dev)
+        rows = to_device(torch.cat([torch.arange(r, r + p.shape[0]) for r, p in spans]), dev)
+        feats = torch.cat([to_device(p[:, self.hidden:], dev) for _, p in spans])
         feats = feats.view(-1, self.num_deepstack, self.hidden).transpose(0, 1)
         return {"deepstack": (rows, feats)}
 

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triptych.engine.device_io import to_device
 from triptych.kernels import get_ops
 from triptych.models.vision import (
     Qwen2VisionTransformer,
+    Segments,
     VisionAttention,
     VisionBlock,
     frame_cu_seqlens,
+    host_grid,
     vision_positions,
 )
 
@@ -64,14 +68,16 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-def bilinear_taps(grid_thw: torch.Tensor, merge: int, side: int
+def bilinear_taps(grid_thw: np.ndarray, merge: int, side: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Four (index, weight) taps per patch row into a ``side x side`` table, resampling it
     to each item's (h, w) grid like ``F.interpolate(bilinear, align_corners=True)``; rows
-    in merge-window order. Returns idx [P, 4] int64, weights [P, 4] fp32."""
-    hw = vision_positions(grid_thw, merge).float()  # [P, 2] patch (h, w)
-    sizes = torch.repeat_interleave(grid_thw[:, 1:].float(),
-                                    grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2], dim=0)
+    in merge-window order. Returns idx [P, 4] int64, weights [P, 4] fp32, on ``device``
+    (the integer coordinates from the host grid, the float math on the device)."""
+    hw = to_device(vision_positions(grid_thw, merge), device).float()  # [P, 2] patch (h, w)
+    g = host_grid(grid_thw)
+    sizes = to_device(torch.from_numpy(np.repeat(g[:, 1:], g[:, 0] * g[:, 1] * g[:, 2], axis=0)),
+                      device).float()
     src = hw * (side - 1) / torch.clamp(sizes - 1, min=1)  # [P, 2] source coordinates
     lo = src.floor()
     taps = (lo[..., None] + torch.arange(2, device=src.device)).clamp(0, side - 1)  # [P, 2, 2]
@@ -112,18 +118,20 @@ class Qwen3VisionTransformer(nn.Module):
     # The 2-D rotary of the blocks is Qwen2-VL's (head_dim/4 frequencies per axis).
     rotary = Qwen2VisionTransformer.rotary
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: np.ndarray | torch.Tensor
+                ) -> torch.Tensor:
         """[num_patches, C*tps*ps*ps] -> payload [num_patches // merge**2, out * (1 + k)]."""
+        grid_thw = host_grid(grid_thw)
         w = self.patch_embed.proj.weight
         x = self.patch_embed.proj(pixel_values.to(w.dtype))  # [P, dim]
-        idx, weight = bilinear_taps(grid_thw, self.merge, self.side)
+        idx, weight = bilinear_taps(grid_thw, self.merge, self.side, x.device)
         pos = (self.pos_embed(idx) * weight[:, :, None]).sum(1)  # fp32 weights, as HF
         x = x + pos.to(x.dtype)
-        cos, sin = self.rotary(grid_thw)
-        cu = frame_cu_seqlens(grid_thw)
+        cos, sin = self.rotary(grid_thw, x.device)
+        seg = Segments.of(frame_cu_seqlens(grid_thw), x.device)
         deepstack = []
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cu, cos, sin)
+            x = blk(x, seg, cos, sin)
             if i in self.deepstack_indexes:
                 merger = self.deepstack_merger_list[self.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))

@@ -6,15 +6,36 @@ concatenates every ``merge**2`` consecutive rows. Attention runs inside each fra
 (``cu_seqlens``); Qwen2.5-VL additionally runs most blocks inside windows of merged tokens.
 
 Parameter names follow the checkpoints (``patch_embed.proj``, ``blocks.N.attn.qkv``, ...).
+
+NOTE (devices): ``grid_thw`` stays on the host. Every index the tower derives from it
+(patch coordinates, frame and window boundaries, window order) is computed there and sent
+to the device once per call (``to_device``: pinned, non-blocking), together with the
+longest segment; nothing is read back from the device.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triptych.engine.device_io import to_device
 from triptych.kernels import get_ops
+
+
+class Segments(NamedTuple):
+    """Attention segments of a packed batch of patches: bidirectional inside each."""
+
+    cu: torch.Tensor  # [N+1] int32 boundaries, on the device
+    cu_cpu: np.ndarray  # the same on the host
+    max_len: int  # the longest segment
+
+    @classmethod
+    def of(cls, cu: np.ndarray, device: torch.device) -> Segments:
+        lens = np.diff(cu)
+        return cls(to_device(torch.from_numpy(cu), device), cu,
+                   int(lens.max()) if len(lens) else 0)
 
 
 class RMSNorm(nn.Module):
@@ -34,46 +55,62 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def vision_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
-    """(h, w) patch coordinates of every row, in merge-window order: [P, 2] int64.
+def host_grid(grid_thw: torch.Tensor | np.ndarray | list) -> np.ndarray:
+    """The items' (t, h, w) as an [N, 3] int64 host array: the towers' index math runs on
+    the host, in numpy (the engine hands the grid over as an array; a tensor is read once)."""
+    if isinstance(grid_thw, np.ndarray):
+        return grid_thw.astype(np.int64, copy=False).reshape(-1, 3)
+    if isinstance(grid_thw, torch.Tensor):
+        grid_thw = grid_thw.tolist()
+    return np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+
+
+def vision_positions(grid_thw: np.ndarray, merge: int) -> torch.Tensor:
+    """(h, w) patch coordinates of every row, in merge-window order: [P, 2] int64, on the
+    host.
 
         frame of h x w patches, merge 2:   rows run  (0,0) (0,1) (1,0) (1,1) | (0,2) (0,3) ...
     """
     out = []
-    for t, h, w in grid_thw.tolist():
-        hh = torch.arange(h).view(h // merge, 1, merge, 1).expand(-1, w // merge, -1, merge)
-        ww = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, -1, merge, -1)
-        hw = torch.stack((hh.reshape(-1), ww.reshape(-1)), dim=-1)  # [h*w, 2]
-        out.append(hw.repeat(t, 1))
-    return torch.cat(out).to(grid_thw.device)
+    for t, h, w in host_grid(grid_thw).tolist():
+        hh = np.broadcast_to(np.arange(h).reshape(h // merge, 1, merge, 1),
+                             (h // merge, w // merge, merge, merge))
+        ww = np.broadcast_to(np.arange(w).reshape(1, w // merge, 1, merge),
+                             (h // merge, w // merge, merge, merge))
+        hw = np.stack((hh.reshape(-1), ww.reshape(-1)), axis=-1)  # [h*w, 2]
+        out.append(np.tile(hw, (t, 1)))
+    return torch.from_numpy(np.concatenate(out).astype(np.int64))
 
 
-def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """[num_frames + 1] int32 boundaries: every frame of every item attends within itself."""
-    lens = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
-    return F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+def frame_cu_seqlens(grid_thw: np.ndarray) -> np.ndarray:
+    """[num_frames + 1] int32 boundaries (host): every frame of every item attends within
+    itself."""
+    g = host_grid(grid_thw)
+    lens = np.repeat(g[:, 1] * g[:, 2], g[:, 0])
+    return np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
 
 
-def window_index(grid_thw: torch.Tensor, merge: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2.5-VL window layout over merged tokens.
+def window_index(grid_thw: np.ndarray, merge: int, window: int
+                 ) -> tuple[torch.Tensor, np.ndarray]:
+    """Qwen2.5-VL window layout over merged tokens (on the host).
 
     Returns ``order`` [P / merge**2]: merged-token indices sorted window by window (row-major
     windows of ``window x window`` merged tokens per frame, edge windows smaller), and
     ``cu`` [num_windows + 1] int32: window boundaries in patch rows.
     """
     order, lens, base = [], [], 0
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in host_grid(grid_thw).tolist():
         gh, gw = h // merge, w // merge
-        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        idx = np.arange(t * gh * gw).reshape(t, gh, gw)
         for ti in range(t):
             for r in range(0, gh, window):
                 for c in range(0, gw, window):
                     win = idx[ti, r:r + window, c:c + window].reshape(-1)
                     order.append(win + base)
-                    lens.append(win.numel() * merge * merge)
+                    lens.append(win.size * merge * merge)
         base += t * gh * gw
-    cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
-    return torch.cat(order).to(grid_thw.device), cu.to(grid_thw.device)
+    cu = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+    return torch.from_numpy(np.concatenate(order).astype(np.int64)), cu
 
 
 class VisionAttention(nn.Module):
@@ -84,7 +121,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor,
+    def forward(self, x: torch.Tensor, seg: Segments, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         # x: [P, dim]; cos/sin: [P, head_dim] fp32
         p = x.shape[0]
@@ -93,7 +130,8 @@ class VisionAttention(nn.Module):
         # NOTE: rotary in fp32, like HF's apply_rotary_pos_emb_vision
         q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
-        o = self.ops.varlen_attention(q, k, v, cu_seqlens, self.head_dim ** -0.5)
+        o = self.ops.varlen_attention(q, k, v, seg.cu, self.head_dim ** -0.5,
+                                      max_seqlen=seg.max_len, cu_seqlens_cpu=seg.cu_cpu)
         return self.proj(o.reshape(p, -1))
 
 
@@ -125,9 +163,9 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor,
+    def forward(self, x: torch.Tensor, seg: Segments, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        x = x + self.attn(self.norm1(x), seg, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -176,24 +214,30 @@ class Qwen2VisionTransformer(nn.Module):
         return VisionBlock(self._norm(dim), self._norm(dim),
                            VisionAttention(dim, config.num_heads, self.ops), mlp)
 
-    def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [P, head_dim] fp32: first quarter-dims rotate by h, next by w, repeated."""
+    def rotary(self, grid_thw: np.ndarray, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [P, head_dim] fp32 on ``device``: first quarter-dims rotate by h, next by
+        w, repeated. The integer coordinates come from the host grid; the float math runs
+        on the device, as HF's does."""
         q = self.head_dim // 4
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, 2 * q, 2, dtype=torch.float,
-                                                           device=grid_thw.device) / (2 * q)))
-        freqs = vision_positions(grid_thw, self.merge)[..., None].float() * inv_freq  # [P, 2, q]
+                                                           device=device) / (2 * q)))
+        hw = to_device(vision_positions(grid_thw, self.merge), device)
+        freqs = hw[..., None].float() * inv_freq  # [P, 2, q]
         freqs = freqs.flatten(1)  # [P, 2q] = [h freqs | w freqs]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: np.ndarray | torch.Tensor
+                ) -> torch.Tensor:
         """[num_patches, C*tps*ps*ps] -> [num_patches // merge**2, out_hidden], item order kept."""
+        grid_thw = host_grid(grid_thw)
         w = self.patch_embed.proj.weight
         x = self.patch_embed.proj(pixel_values.to(w.dtype))  # [P, dim]
-        cos, sin = self.rotary(grid_thw)
-        cu = frame_cu_seqlens(grid_thw)
+        cos, sin = self.rotary(grid_thw, x.device)
+        seg = Segments.of(frame_cu_seqlens(grid_thw), x.device)
         for blk in self.blocks:
-            x = blk(x, cu, cos, sin)
+            x = blk(x, seg, cos, sin)
         return self.merger(x)
 
 
@@ -219,18 +263,22 @@ class Qwen25VisionTransformer(Qwen2VisionTransformer):
         return VisionBlock(self._norm(dim), self._norm(dim),
                            VisionAttention(dim, config.num_heads, self.ops), mlp)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: np.ndarray | torch.Tensor
+                ) -> torch.Tensor:
+        grid_thw = host_grid(grid_thw)
         unit = self.merge * self.merge
+        dev = self.patch_embed.proj.weight.device
         order, cu_win = window_index(grid_thw, self.merge, self.window)
+        order = to_device(order, dev)
 
         def permute(t: torch.Tensor) -> torch.Tensor:  # [P, d] -> [P, d] in window order
             return t.view(-1, unit, t.shape[-1])[order].flatten(0, 1)
 
         w = self.patch_embed.proj.weight
         x = permute(self.patch_embed.proj(pixel_values.to(w.dtype)))  # [P, dim]
-        cos, sin = (permute(t) for t in self.rotary(grid_thw))
-        cu_full = frame_cu_seqlens(grid_thw)
+        cos, sin = (permute(t) for t in self.rotary(grid_thw, dev))
+        full, win = Segments.of(frame_cu_seqlens(grid_thw), dev), Segments.of(cu_win, dev)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cu_full if i in self.fullatt else cu_win, cos, sin)
+            x = blk(x, full if i in self.fullatt else win, cos, sin)
         merged = self.merger(x)  # [P / unit, out] in window order
         return merged[torch.argsort(order)]

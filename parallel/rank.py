@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 import msgspec
+import numpy as np
 
 logger = logging.getLogger("triptych.tp")
 IDLE_POLL_MS = 500
@@ -187,7 +188,7 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
             ctx.gather(logits)
     elif isinstance(cmd, tp_wire.Encode):
         pixels = tensors[0].to(device, dtype)
-        grid = torch.tensor(cmd.grid, dtype=torch.long, device=device)
+        grid = np.array(cmd.grid, dtype=np.int64)  # on the host (the tower's contract)
         if cmd.ranks:
             a = PatchAssignment(cmd.ranks, [])
             encode_data_parallel(model.encode_images, ctx, grid, a, pixels,

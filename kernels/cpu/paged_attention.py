@@ -46,9 +46,10 @@ class CpuDecodePlan(NamedTuple):
     num_tokens: int  # sum of seq_lens: K/V rows every layer reads
 
 
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-                ) -> CpuDecodePlan:
-    """The tables in the kernel's dtype, once per forward (not once per layer)."""
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                max_seq_len: int | None = None) -> CpuDecodePlan:
+    """The tables in the kernel's dtype, once per forward (not once per layer); the CPU
+    kernel needs no maximum length (``max_seq_len`` is accepted for the common call)."""
     lens = seq_lens.to(torch.int32).contiguous()
     return CpuDecodePlan(block_tables.to(torch.int32).contiguous(), lens, int(lens.sum()))
 

@@ -143,13 +143,16 @@ def choose_partition(batch: int, num_kv_heads: int, max_len: int, block_n: int,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None,
                            partition_size: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (GQA aware).
 
     q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
     block_tables: [B, max_blocks] int; seq_lens: [B] int, each >= 1, context length
-    including the query token. Returns [B, H, D] in q's dtype. ``partition_size`` (tokens
-    per split, a multiple of 16) overrides ``choose_partition``; tests force split-K with it.
+    including the query token. Returns [B, H, D] in q's dtype. ``max_seq_len``: the
+    longest context, from the host (the engine always passes it; None reads ``seq_lens``,
+    a device sync). ``partition_size`` (tokens per split, a multiple of 16) overrides
+    ``choose_partition``; tests force split-K with it.
     """
     fn = "paged_decode_attention"
     check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
@@ -170,7 +173,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     g = h // hkv
     d_pad = pad_dim(d)
     block_n, warps, stages = _config(q, d_pad)
-    max_len = int(seq_lens.max())
+    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
     if partition_size is None:
         partition = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
     else:

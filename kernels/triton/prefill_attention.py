@@ -117,13 +117,15 @@ def _tiles(q: torch.Tensor, d_pad: int) -> tuple[int, int, int, int]:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float,
+                            max_query_len: int | None = None) -> torch.Tensor:
     """Causal attention of each query chunk over its cached prefix and itself.
 
     q: [T, H, D] (chunks of B sequences, flattened); k_cache, v_cache: [num_blocks,
     block_size, Hkv, D], already holding this chunk's K/V (``reshape_and_cache`` first);
     block_tables: [B, max_blocks] int; cu_seqlens_q: [B+1] int; seq_lens: [B] int, context
-    length including the chunk. Returns [T, H, D] in q's dtype.
+    length including the chunk. Returns [T, H, D] in q's dtype. ``max_query_len``: the
+    longest chunk, from the host (None reads ``cu_seqlens_q``, a device sync).
     """
     fn = "paged_prefill_attention"
     check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
@@ -144,7 +146,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     if t == 0 or b == 0:
         return out
-    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    max_q = max_query_len if max_query_len is not None else \
+        int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     _prefill_kernel[(h, triton.cdiv(max_q, block_m), b)](
@@ -156,10 +159,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor, scale: float, max_seqlen: int | None = None,
+                     cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional attention within each cu_seqlens segment (an image's patches, or one
     of Qwen2.5-VL's windows); no cache. q, k, v: [T, H, D]; cu_seqlens: [N+1] int.
-    Returns [T, H, D] in q's dtype."""
+    ``max_seqlen``: the longest segment, from the host (None reads ``cu_seqlens``, a device
+    sync); ``cu_seqlens_cpu`` is the reference's (unused here). Returns [T, H, D] in q's
+    dtype."""
     fn = "varlen_attention"
     check_tensors(fn, {"q": q, "k": k, "v": v}, {"cu_seqlens": cu_seqlens})
     require(q.dim() == 3 and k.shape == v.shape == q.shape,
@@ -176,7 +182,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_seg = cu_seqlens.shape[0] - 1
     if t == 0 or n_seg <= 0:
         return out
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    max_len = max_seqlen if max_seqlen is not None else \
+        int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
     _varlen_kernel[(h, triton.cdiv(max_len, block_m), n_seg)](
         q, k, v, out, cu_seqlens, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,144 @@
+"""Host <-> device traffic of a step: what crosses, and how, in one place.
+
+On a GPU every host -> device copy goes through pinned memory with ``non_blocking=True``
+(the host never waits for it), and a device -> host copy lands in a pinned buffer whose
+readiness an event tells: the host waits for exactly the data it reads, never for a
+whole device. On the CPU "the device" is the host: nothing is copied at all.
+
+    to_device(t, device)        one host tensor to the device, pinned + non_blocking
+    StepStaging.stage(arrays)   a step's host arrays packed into ONE pinned buffer, ONE
+                                copy; returns their device views (runner inputs, sampler
+                                tensors)
+    HostFetch.fetch(tensors)    device results packed on the device, ONE copy into a pinned
+                                buffer, one event wait; returns numpy arrays
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+ALIGN = 16  # bytes: every staged array starts on a 16-byte boundary (any dtype's alignment)
+
+
+def is_host(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device``: itself on the CPU, else through pinned memory
+    without blocking the host (the caching host allocator keeps the pinned copy alive
+    until the transfer is done)."""
+    if is_host(device) or t.device == device:
+        return t
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Buffers:
+    """A host byte buffer and its device twin (one and the same on the host), grown by
+    doubling. The host side is pinned when the device is not the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.dev = self.host
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes <= self.host.numel():
+            return
+        n = max(nbytes, 2 * self.host.numel(), 1 << 12)
+        if is_host(self.device):
+            self.host = self.dev = torch.empty(n, dtype=torch.uint8)
+        else:
+            self.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            self.dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+
+
+def _layout(nbytes: list[int]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(end)
+        end = _aligned(end + n)
+    return offsets, end
+
+
+class StepStaging:
+    """One step's host arrays -> device tensors with one host-to-device copy.
+
+    The arrays are laid out back to back (16-byte aligned) in a pinned byte buffer and
+    copied in one ``copy_`` to its device twin; each array comes back as a typed view of
+    the device buffer. The buffers grow (doubling) when a step needs more. On the CPU the
+    arrays are used where they are (``pack`` True packs them anyway: tests of the layout).
+
+    NOTE: the pinned buffer is reused next step, so ``stage`` first waits for the previous
+    step's copy to have left it (an event recorded after that copy; in practice long done).
+    """
+
+    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
+        self.device = device
+        self.pack = not is_host(device) if pack is None else pack
+        self.buf = _Buffers(device)
+        self._copied: torch.cuda.Event | None = None
+        self.num_copies = 0  # host -> device copies made (tests and the GPU check count)
+
+    def stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device tensors of ``arrays`` (same dtypes and shapes), in order."""
+        if not self.pack:  # the CPU reads the host arrays where they are
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, end = _layout([a.nbytes for a in arrays])
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the buffer
+        self.buf.reserve(end)
+        host = self.buf.host.numpy()
+        for a, off in zip(arrays, offsets):
+            host[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        if end and not is_host(self.device):
+            self.buf.dev[:end].copy_(self.buf.host[:end], non_blocking=True)
+            self.num_copies += 1
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [self.buf.dev[off:off + a.nbytes].view(_TORCH_DTYPES[np.dtype(a.dtype)])
+                .view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+class HostFetch:
+    """Device tensors -> numpy with one device-to-host copy and one event wait.
+
+    The tensors (any dtypes) are packed into one device byte buffer (one small copy each,
+    on the device), copied in one ``copy_`` into a pinned host buffer, and read after the
+    copy's event: the host waits for these bytes only. The CPU packs them too (one read
+    of one buffer: the same code path, minus the copy).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buf = _Buffers(device)
+        self.num_copies = 0  # device -> host copies made (tests and the GPU check count)
+
+    def fetch(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets, end = _layout(sizes)
+        self.buf.reserve(end)
+        for t, off, nb in zip(tensors, offsets, sizes):
+            if nb:
+                self.buf.dev[off:off + nb].view(t.dtype).copy_(t.reshape(-1))
+        if not is_host(self.device):
+            self.buf.host[:end].copy_(self.buf.dev[:end], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self.num_copies += 1
+            done.synchronize()
+        host = self.buf.host[:end].numpy()
+        return [host[off:off + nb].view(_NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape)).copy()
+                for t, off, nb in zip(tensors, offsets, sizes)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool,
+                 np.dtype(np.uint8): torch.uint8}
+_NUMPY_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
