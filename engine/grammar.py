@@ -77,17 +77,19 @@ class GrammarState:
                            request_id, token_id)
             del self._matchers[request_id]
 
-    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
-        """Mask the logits of the grammar rows in place (one batched call) and return them."""
-        # logits: [S, vocab] float32 on the host; request_ids: row -> request id
+    def fill(self, request_ids: list[str], vocab: int) -> tuple[torch.Tensor, list[int]] | None:
+        """This step's bitmask on the host: ([S, ceil(vocab / 32)] int32, the rows it
+        constrains), or None when no row has a live matcher. Rows not listed are
+        unconstrained (their words are left as they were: callers apply listed rows only)."""
+        # request_ids: logits row -> request id
         rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids)
                 if r in self._matchers and not self._matchers[r].is_terminated()]
         if not rows:
-            return logits
+            return None
         import xgrammar as xgr
 
         t0 = time.perf_counter()
-        n, vocab = logits.shape
+        n = len(request_ids)
         if self._bitmask is None or self._bitmask.shape[0] < n or \
                 self._bitmask.shape[1] != (vocab + 31) // 32:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 8), vocab)
@@ -96,7 +98,40 @@ class GrammarState:
         if self._filler is None:  # fills the rows on the worker's torch threads
             self._filler = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
         self._filler.batch_fill_next_token_bitmask([m for _, m in rows], bitmask, idx)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=idx)
         self.num_masked_steps += 1
         self.mask_seconds += time.perf_counter() - t0
+        return bitmask, idx
+
+    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
+        """Mask the logits of the grammar rows (``fill`` + ``apply_bitmask``) and return
+        them (in place on the host)."""
+        filled = self.fill(request_ids, logits.shape[-1])
+        if filled is None:
+            return logits
+        bitmask, idx = filled
+        t0 = time.perf_counter()
+        out = apply_bitmask(logits, bitmask, torch.tensor(idx, dtype=torch.long))
+        self.mask_seconds += time.perf_counter() - t0
+        return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+                  ) -> torch.Tensor:
+    """Tokens whose bit is 0 in their row's mask set to -inf, for the listed rows.
+
+    On the host xgrammar's kernel masks in place; on a device the bits are unpacked with
+    tensor ops (no host round trip, whatever packages the device's machine has).
+    bitmask: [S, ceil(vocab / 32)] int32 on the logits' device; rows: [n] int64."""
+    # logits: [S, vocab] float32
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
+                                        indices=rows.tolist())
         return logits
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    words = bitmask.index_select(0, rows)  # [n, W]
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab]
+    sub = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
+    return logits.index_copy(0, rows, sub)

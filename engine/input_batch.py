@@ -18,7 +18,9 @@ over these arrays, not per-request tensors:
 
 Bookkeeping only: nothing here touches torch tensors of the model or the KV cache. The
 token history of penalised requests (engine/penalties.py) follows the same join / leave /
-append events, keyed by request id so that row moves leave it alone.
+append events, keyed by request id so that row moves leave it alone. Each row's sampling
+parameters (temperature, top-k, top-p, min-p) are written when its request joins and move
+with the row: a step takes the sampled rows' values with one gather (``sampling``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ import numpy as np
 from triptych.engine.grammar import GrammarState
 from triptych.engine.penalties import PenaltyState
 from triptych.engine.request import Request
+from triptych.engine.sampler import SamplingArrays, sampling_arrays
+
+# per-row arrays that move with their row (dtype of each)
+_ROW_ARRAYS = {"num_tokens": np.int64, "num_computed": np.int64, "num_prompt": np.int64,
+               "mrope_delta": np.int64, "num_blocks": np.int64, "temperature": np.float32,
+               "top_k": np.int64, "top_p": np.float32, "min_p": np.float32}
 
 
 @dataclass
@@ -70,12 +78,11 @@ class InputBatch:
         self.reqs: list[Request | None] = [None] * max_reqs  # row -> request (None = hole)
         self.index: dict[str, int] = {}  # request id -> row
         self.token_ids = np.zeros((max_reqs, max_tokens), dtype=np.int64)
-        self.num_tokens = np.zeros(max_reqs, dtype=np.int64)  # ids known (prompt + outputs)
-        self.num_computed = np.zeros(max_reqs, dtype=np.int64)  # ids whose KV is cached
-        self.num_prompt = np.zeros(max_reqs, dtype=np.int64)
-        self.mrope_delta = np.zeros(max_reqs, dtype=np.int64)
+        # num_tokens: ids known (prompt + outputs); num_computed: ids whose KV is cached;
+        # num_prompt, mrope_delta, num_blocks; the row's sampling parameters
+        for name, dtype in _ROW_ARRAYS.items():
+            setattr(self, name, np.zeros(max_reqs, dtype=dtype))
         self.block_table = np.zeros((max_reqs, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_reqs, dtype=np.int64)
         self.num_reqs = 0  # rows in use, holes included, until condense()
         self._holes: list[int] = []
         self.penalties = PenaltyState()  # token counts of requests with penalties
@@ -109,6 +116,9 @@ class InputBatch:
         self.num_prompt[row] = req.num_prompt_tokens
         self.mrope_delta[row] = req.mrope_delta
         self.num_blocks[row] = 0
+        sp = req.sampling_params
+        self.temperature[row], self.top_k[row] = sp.temperature, sp.top_k
+        self.top_p[row], self.min_p[row] = sp.top_p, sp.min_p
         self.reqs[row] = req
         self.index[req.request_id] = row
         self.set_blocks(row, block_ids)
@@ -154,8 +164,8 @@ class InputBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for a in (self.num_tokens, self.num_computed, self.num_prompt, self.mrope_delta,
-                  self.num_blocks):
+        for name in _ROW_ARRAYS:
+            a = getattr(self, name)
             a[dst] = a[src]
         self.reqs[dst], self.reqs[src] = req, None
         self.index[req.request_id] = dst
@@ -187,7 +197,7 @@ class InputBatch:
         if rows <= len(self.reqs):
             return
         self.token_ids = _grow(self.token_ids, rows=rows)
-        for name in ("num_tokens", "num_computed", "num_prompt", "mrope_delta", "num_blocks"):
+        for name in _ROW_ARRAYS:
             setattr(self, name, _grow(getattr(self, name), rows=rows))
         self.block_table = _grow(self.block_table, rows=rows)
         self.reqs += [None] * (self.token_ids.shape[0] - len(self.reqs))
@@ -220,7 +230,7 @@ class InputBatch:
             if req is not None and req.mm_items and req.mrope_positions is not None:
                 lo, hi = int(start[row]), min(int(start[row] + n[row]), int(self.num_prompt[row]))
                 first = int(cu[row] - n[row])
-                positions[:, first:first + hi - lo] = req.mrope_positions[:, lo:hi].numpy()
+                positions[:, first:first + hi - lo] = req.mrope_positions[:, lo:hi]
         seq_lens = start + n
         max_blocks = int(-(-int(seq_lens.max()) // bs))
         sample_rows = np.flatnonzero(seq_lens == self.num_tokens[:b])
@@ -251,6 +261,13 @@ class InputBatch:
                 rows.append((row, lo, hi - lo))
                 flat.append(np.arange(first, first + hi - lo))
         return rows, flat
+
+    def sampling(self, rows: np.ndarray, vocab: int) -> SamplingArrays:
+        """The host arrays that sample ``rows`` (in that order) this step."""
+        reqs = [self.reqs[r] for r in rows.tolist()]
+        return sampling_arrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                               self.min_p[rows], [r.sampling_params for r in reqs], vocab,
+                               self.penalties, [r.request_id for r in reqs])
 
     def advance(self, num_scheduled: np.ndarray) -> None:
         """After a step: the scheduled tokens' KV is in the cache."""

@@ -17,16 +17,20 @@ from the encoder runner (a chunk may cover only part of an image's span).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
+from triptych.engine.device_io import HostFetch, StepStaging
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from triptych.engine.grammar import apply_bitmask
 from triptych.engine.input_batch import InputBatch, StepInputs
-from triptych.engine.request import MMItem, Request
-from triptych.engine.sampler import Sampler, SamplerOutput
+from triptych.engine.platform import sampler_argmax
+from triptych.engine.request import MMItem
+from triptych.engine.sampler import Argmax, Sampler, to_output
 from triptych.engine.scheduler import SchedulerOutput
 
 
@@ -52,6 +56,18 @@ class StepTimes:
         self.steps += 1
 
 
+@dataclass
+class DeviceStep:
+    """A step's inputs on the device (views of one staged copy) and the metadata that
+    attention reads; ``extra``: the device copies of the extra host arrays staged with it."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [3, T] int64
+    meta: AttentionMetadata
+    logits_index: torch.Tensor | None  # [S + P] int64, None: every row, in order
+    extra: list[torch.Tensor]
+
+
 class GreedyIds:
     """run_model's answer when the LM head gave the step's greedy tokens directly (no
     logits: ``greedy_tokens`` of the model, a CPU fp32 head)."""
@@ -68,13 +84,18 @@ class ModelRunner:
 
     def __init__(self, model: Any, encoder: EncoderRunner, *, num_blocks: int, block_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, ops: SimpleNamespace, seed: int = 0) -> None:
+                 device: torch.device, ops: SimpleNamespace, seed: int = 0,
+                 vocab_size: int = 0, argmax: Argmax | None = None) -> None:
         self.model, self.encoder, self.ops = model, encoder, ops
         self.block_size, self.device, self.dtype = block_size, device, dtype
         self._kv_layout = (num_layers, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_blocks)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, argmax or sampler_argmax(device))
+        # the logits' width (every rank's slices together): the checkpoint's text vocab
+        self.vocab_size = vocab_size or _text_config(model).vocab_size
+        self.staging = StepStaging(device)  # one host -> device copy per step
+        self.fetch = HostFetch(device)  # one device -> host copy per step
         self.batch = InputBatch(block_size)
         self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
         self.greedy_step = False  # this step's rows all plain greedy (execute sets it)
@@ -89,17 +110,6 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(num_layers)]
-
-    def positions_for(self, req: Request, start: int, end: int) -> torch.Tensor:
-        """[3, end-start] M-RoPE positions; tokens past the prompt are text (index + delta)."""
-        p = req.num_prompt_tokens
-        parts = []
-        if start < p:
-            parts.append(req.mrope_positions[:, start:min(end, p)])
-        if end > p:
-            t = torch.arange(max(start, p), end, dtype=torch.long) + req.mrope_delta
-            parts.append(t.expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _sync(self, out: SchedulerOutput) -> np.ndarray:
         """Make the batch hold exactly this step's requests; returns tokens per row.
@@ -152,38 +162,48 @@ class ModelRunner:
         embs = self.encoder.get_embeddings([it for _, it, _, _ in spans])
         return [(row, embs[it.mm_hash][start:start + n]) for row, it, start, n in spans]
 
+    def stage(self, inp: StepInputs, extra: list[np.ndarray] | None = None) -> DeviceStep:
+        """The step's inputs (and ``extra`` host arrays: the sampler's) on the device, with
+        one host-to-device copy (engine/device_io.py; on the CPU, views of the arrays)."""
+        extra = extra or []
+        logits_index = inp.logits_index
+        whole = len(logits_index) == len(inp.input_ids) and \
+            np.array_equal(logits_index, np.arange(len(logits_index)))
+        # NOTE: skip the gather only when the rows are all of them, in order (a decode step);
+        # prompt_logprobs rows come after the sampled ones, so a count check is not enough.
+        arrays = [inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
+                  inp.cu_seqlens_q, inp.seq_lens, *([] if whole else [logits_index]), *extra]
+        dev = self.staging.stage(arrays)
+        meta = AttentionMetadata(
+            slot_mapping=dev[2], block_tables=dev[3], cu_seqlens_q=dev[4], seq_lens=dev[5],
+            max_query_len=inp.max_query_len,
+            max_seq_len=int(inp.seq_lens.max()) if len(inp.seq_lens) else 0,
+            cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens, padded=False)
+        return DeviceStep(dev[0], dev[1], meta, None if whole else dev[6],
+                          dev[6 if whole else 7:])
+
     def run_model(self, inp: StepInputs, spans: list[tuple[int, torch.Tensor]],
-                  marks: list[float]) -> torch.Tensor | None:
+                  marks: list[float], dev: DeviceStep | None = None) -> torch.Tensor | None:
         """The model on one step's flat batch: logits [S, vocab] of the sampled rows (None
         when no row samples). Appends the end of the vision, forward and logits phases
-        to ``marks``. Every rank of a tensor-parallel group runs this on the same inputs."""
-        dev = self.device
-        input_ids = torch.from_numpy(inp.input_ids).to(dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev),
-            block_tables=torch.from_numpy(inp.block_tables).to(dev),
-            cu_seqlens_q=torch.from_numpy(inp.cu_seqlens_q).to(dev),
-            seq_lens=torch.from_numpy(inp.seq_lens).to(dev),
-            max_query_len=inp.max_query_len,
-            cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens,
-        )
-        positions = torch.from_numpy(inp.positions).to(dev)
-        embeds = self.model.embed_tokens(input_ids)
+        to ``marks``. Every rank of a tensor-parallel group runs this on the same inputs.
+
+        NOTE: nothing here reads a device value back: sizes come from ``inp`` (the host)."""
+        if dev is None:
+            dev = self.stage(inp)
+        embeds = self.model.embed_tokens(dev.input_ids)
         # the model contract: payload rows -> embedding rows (+ whatever else the model
         # consumes at those rows, e.g. DeepStack features, passed on to forward)
         extra = self.model.merge_vision(embeds, spans) if spans else {}
         marks.append(time.perf_counter())
-        with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
-            hidden = self.model(input_ids, positions, embeds, **extra)
+        with forward_context(ForwardContext(dev.meta, self.kv_caches, self.ops)):
+            hidden = self.model(dev.input_ids, dev.positions, embeds, **extra)
         marks.append(time.perf_counter())
         if not len(inp.logits_index):
             marks.append(marks[-1])
             return None
-        idx = inp.logits_index
-        # NOTE: skip the gather only when the rows are all of them, in order (a decode step);
-        # prompt_logprobs rows come after the sampled ones, so a count check is not enough.
-        if len(idx) != hidden.shape[0] or not np.array_equal(idx, np.arange(len(idx))):
-            hidden = hidden[torch.from_numpy(idx).to(dev)]
+        if dev.logits_index is not None:
+            hidden = hidden[dev.logits_index]
         greedy = getattr(self.model, "greedy_tokens", None) if self.greedy_step else None
         ids = greedy(hidden) if greedy is not None else None
         if ids is not None:  # the head's argmax without the [S, vocab] logits
@@ -196,35 +216,52 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput
                 ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
-        """Run one step; returns sampled token ids and their logprobs by request id."""
+        """Run one step; returns sampled token ids and their logprobs by request id.
+
+        One copy in (``stage``: inputs + sampling arrays), one copy out (``fetch``: the
+        sampled ids, plus the logprobs asked for)."""
         marks = [time.perf_counter()]
         num_scheduled = self._sync(out)
         inp = self.batch.prepare(num_scheduled)
         marks.append(time.perf_counter())
         self.greedy_step = self.greedy_head and self._plain_greedy(inp)
-        logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks)
+        rows = inp.sample_rows
+        reqs = [self.batch.reqs[r] for r in rows.tolist()]
+        rids = [r.request_id for r in reqs]
+        params = [r.sampling_params for r in reqs]
+        host = None if self.greedy_step or not len(rows) else \
+            self.batch.sampling(rows, self.vocab_size)
+        grammar = self.batch.grammars.fill(rids, self.vocab_size) \
+            if self.batch.grammars and len(rows) else None
+        extra = list(host.arrays) if host is not None else []
+        if grammar is not None:
+            extra += [grammar[0].numpy(), np.array(grammar[1], dtype=np.int64)]
+        dev = self.stage(inp, extra)
+        logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks, dev)
         result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
-        if isinstance(logits, GreedyIds):
-            rows = inp.sample_rows.tolist()
-            rids = [self.batch.reqs[r].request_id for r in rows]
-            ids = logits.ids.tolist()
-            for row, tok in zip(rows, ids):
+        if isinstance(logits, GreedyIds):  # (the CPU's packed head: ids already on the host)
+            ids = self.fetch.fetch([logits.ids])[0].tolist()
+            for row, tok in zip(rows.tolist(), ids):
                 self.batch.append_token(row, tok)
             result, logits = (dict(zip(rids, ids)), dict.fromkeys(rids)), None
         if logits is not None and inp.prompt_rows:
-            self._prompt_logprobs(inp, logits[len(inp.sample_rows):])
-            logits = logits[:len(inp.sample_rows)]
-        if logits is not None and len(inp.sample_rows):
-            rows = inp.sample_rows.tolist()
-            reqs = [self.batch.reqs[r] for r in rows]
-            rids = [r.request_id for r in reqs]
-            logits = logits.cpu()
-            if self.batch.grammars:  # structured output: one batched mask (engine/grammar.py)
-                logits = self.batch.grammars.mask(logits.float(), rids)
-            res: SamplerOutput = self.sampler(logits, rids,
-                                              [r.sampling_params for r in reqs],
-                                              self.batch.penalties)
-            for row, tok in zip(rows, res.token_ids):
+            self._prompt_logprobs(inp, logits[len(rows):])
+            logits = logits[:len(rows)]
+        if logits is not None and len(rows):
+            logits = logits.float()
+            n_host = len(host.arrays) if host is not None else 0
+            if grammar is not None:
+                bitmask, idx = dev.extra[n_host:n_host + 2]
+                logits = apply_bitmask(logits, bitmask, idx)
+            if host is None:  # plain greedy with the logits (no packed head)
+                ids_dev, lp = self.sampler.argmax(logits), None
+            else:
+                st = self.sampler.bind(host, dev.extra[:n_host], rids, params, self.device)
+                ids_dev, lp = self.sampler.sample(logits, st)
+            got = self.fetch.fetch([ids_dev.to(torch.int32), *(lp or ())])
+            ids = got[0].tolist()
+            res = to_output(ids, tuple(got[1:]) if lp is not None else None, host, params)
+            for row, tok in zip(rows.tolist(), ids):
                 self.batch.append_token(row, tok)
             result = dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))
         self.batch.advance(num_scheduled)
@@ -246,22 +283,29 @@ class ModelRunner:
         return True
 
     def _prompt_logprobs(self, inp: StepInputs, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens this step's logits predict (prompt_logprobs)."""
+        """Logprobs of the prompt tokens this step's logits predict (prompt_logprobs): the
+        top k and the prompt's own token per position, computed on the device and read in
+        one copy."""
         # logits: [P, vocab], one row per (row, position) of inp.prompt_rows, in order
-        lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = np.concatenate([
+            np.asarray(self.batch.reqs[row].prompt_token_ids[t0 + 1:t0 + 1 + count])
+            for row, t0, count in inp.prompt_rows]).astype(np.int64)
+        k = max(self.batch.reqs[row].sampling_params.prompt_logprobs or 0
+                for row, _, _ in inp.prompt_rows)
+        tgt = torch.from_numpy(targets).to(lp.device)
+        tops = lp.topk(max(k, 1), dim=-1)
+        chosen, top_v, top_i = self.fetch.fetch(
+            [lp.gather(1, tgt[:, None])[:, 0], tops.values, tops.indices])
         off = 0
         for row, t0, count in inp.prompt_rows:
             req = self.batch.reqs[row]
-            k = req.sampling_params.prompt_logprobs or 0
-            seg = lp[off:off + count]
-            off += count
-            targets = torch.tensor(req.prompt_token_ids[t0 + 1:t0 + 1 + count])
-            chosen = seg.gather(1, targets[:, None])[:, 0].tolist()
-            tops = seg.topk(k) if k else None
-            for j, tok in enumerate(targets.tolist()):
-                d = dict(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops else {}
-                d[tok] = chosen[j]
+            kk = req.sampling_params.prompt_logprobs or 0
+            for j in range(count):
+                d = dict(zip(top_i[off + j, :kk].tolist(), top_v[off + j, :kk].tolist()))
+                d[int(targets[off + j])] = float(chosen[off + j])
                 req.prompt_logprobs[t0 + 1 + j] = d  # keyed by the token it scores
+            off += count
 
     # -- KV blocks by id (a prefill worker's KVSender, a decode worker's KVReceiver) ---------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -282,3 +326,8 @@ class ModelRunner:
         """(block_size, num_kv_heads, head_dim) of one block of one layer, as transferred
         (all heads of the model, also when this runner holds a slice of them)."""
         return tuple(self.kv_caches[0][0].shape[1:])
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return getattr(config, "text_config", None) or config

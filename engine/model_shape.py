@@ -11,6 +11,13 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
+
+# (the device's choices live in engine/platform.py; re-exported for their callers)
+from triptych.engine.platform import (  # noqa: F401
+    resolve_cpu_weights,
+    resolve_device,
+    resolve_dtype,
+)
 from triptych.models.contract import contract_for
 
 
@@ -51,47 +58,6 @@ class ModelShape:
             hidden_size=text.hidden_size,
             payload_width=contract.payload_width(hf),
         )
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto``: CUDA when available, else the CPU."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: Any) -> torch.dtype:
-    """The dtype knob for this device (``auto``: fp32 on the CPU, the checkpoint's on CUDA)."""
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32  # CPU bf16 matmuls are slow and the oracle runs fp32
-        if isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype != torch.float32:
-            return checkpoint_dtype
-        return torch.bfloat16
-    try:
-        return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "half": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
-
-
-def resolve_cpu_weights(config: EngineConfig, device: torch.device) -> str | None:
-    """The format the CPU linear layers pack their weights in (kernels/cpu/linear.py), or
-    None where the model runs its own dtype through ``F.linear`` (CUDA, cpu_gemm=torch).
-
-    A packed CPU model computes in fp32 whatever its weights hold: ``dtype`` bfloat16 /
-    float16 means 16-bit weights, ``quantization`` int8 8-bit ones."""
-    if device.type != "cpu":
-        if config.quantization:
-            raise ValueError(f"quantization={config.quantization} runs on the CPU only "
-                             "(fbgemm's int8 GEMM): drop it on CUDA")
-        return None
-    if config.cpu_gemm != "onednn":
-        return None
-    if config.quantization:
-        return config.quantization
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-        resolve_dtype(config.dtype, device, None)]
 
 
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:

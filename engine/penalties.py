@@ -24,6 +24,8 @@ tokens; each sampled token then updates its entry.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from triptych.engine.sampling_params import SamplingParams
@@ -86,45 +88,85 @@ class PenaltyState:
             e.append(token_id)
 
     # -- sampling -------------------------------------------------------------------------
-    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
-        """``logits`` [N, vocab] with the penalties of the penalised rows applied (a new
-        tensor when any row is penalised; rows of other requests keep their values)."""
+    def arrays(self, request_ids: list[str], vocab: int) -> tuple[np.ndarray, ...] | None:
+        """The host side of this step's penalties for logits rows ``request_ids``
+        (``PenaltyTensors``' fields as numpy arrays), or None when no row is penalised.
+
+        Sparse: one (row, token) pair per distinct token a penalised row has seen, with its
+        output count and the row's three penalty values, plus the (row, token) pairs the
+        n-gram guard bans. Built from the host's token history: the device only gathers,
+        computes and scatters."""
         rows = [i for i, rid in enumerate(request_ids) if rid in self.entries]
         if not rows:
-            return logits
+            return None
         entries = [self.entries[request_ids[i]] for i in rows]
-        out = logits.clone()
-        vocab = out.shape[-1]
         counted = [(i, e) for i, e in zip(rows, entries)
                    if e.params.repetition_penalty != 1.0 or e.params.presence_penalty
                    or e.params.frequency_penalty]
+        z_i, z_f = np.zeros(0, np.int64), np.zeros(0, np.float32)
+        row = tok = z_i
+        cnt = rep = freq = pres = z_f
         if counted:
-            lens = torch.tensor([e.n for _, e in counted])
-            which = torch.repeat_interleave(torch.arange(len(counted)), lens)
-            tok = torch.cat([torch.from_numpy(e.ids[:e.n]) for _, e in counted])
-            cnt = torch.cat([torch.from_numpy(e.counts[:e.n]) for _, e in counted])
-            row = torch.tensor([i for i, _ in counted])[which]
+            lens = np.array([e.n for _, e in counted])
+            which = np.repeat(np.arange(len(counted)), lens)
+            tok = np.concatenate([e.ids[:e.n] for _, e in counted])
+            cnt = np.concatenate([e.counts[:e.n] for _, e in counted])
+            row = np.array([i for i, _ in counted], dtype=np.int64)[which]
             keep = (tok >= 0) & (tok < vocab)  # (ids beyond the logits: nothing to change)
             tok, cnt, row, which = tok[keep], cnt[keep], row[keep], which[keep]
 
-            def per(name: str) -> torch.Tensor:
-                return torch.tensor([getattr(e.params, name) for _, e in counted],
-                                    dtype=out.dtype)[which]
+            def per(name: str) -> np.ndarray:
+                return np.array([getattr(e.params, name) for _, e in counted],
+                                dtype=np.float32)[which]
 
-            x = out[row, tok]
-            # HF / vLLM: a seen token's logit is divided by the penalty when positive and
-            # multiplied when negative (so it always becomes less likely for penalty > 1).
-            rep = per("repetition_penalty")
-            x = torch.where(x > 0, x / rep, x * rep)
-            # OpenAI's formula, over output tokens only (cnt is 0 for prompt-only ids).
-            x = x - per("frequency_penalty") * cnt - per("presence_penalty") * (cnt > 0)
-            out[row, tok] = x
+            rep, freq, pres = (per("repetition_penalty"), per("frequency_penalty"),
+                               per("presence_penalty"))
+        ban_row, ban_tok = z_i, z_i
         ngram = [(i, e) for i, e in zip(rows, entries) if e.params.no_repeat_ngram_size > 0]
         if ngram:
             bans = _ngram_bans(ngram, vocab)
             if bans is not None:
-                out[bans[0], bans[1]] = float("-inf")
-        return out
+                ban_row, ban_tok = bans[0].numpy(), bans[1].numpy()
+        return (row, tok, cnt.astype(np.float32), rep, freq, pres, ban_row, ban_tok)
+
+    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
+        """``logits`` [N, vocab] with the penalties of the penalised rows applied (a new
+        tensor when any row is penalised; rows of other requests keep their values)."""
+        host = self.arrays(request_ids, logits.shape[-1])
+        if host is None:
+            return logits
+        return apply_penalties(logits, PenaltyTensors(
+            *(torch.from_numpy(a).to(logits.device) for a in host)))
+
+
+class PenaltyTensors(NamedTuple):
+    """One step's penalties on the logits' device (``PenaltyState.arrays``, copied)."""
+
+    row: torch.Tensor  # [P] int64: logits row of each (row, token) pair
+    tok: torch.Tensor  # [P] int64: a token the row's prompt or output holds
+    cnt: torch.Tensor  # [P] float32: times the row output it (0: prompt only)
+    rep: torch.Tensor  # [P] float32: the row's repetition penalty
+    freq: torch.Tensor  # [P] float32: frequency penalty
+    pres: torch.Tensor  # [P] float32: presence penalty
+    ban_row: torch.Tensor  # [Q] int64: (row, token) pairs the n-gram guard bans
+    ban_tok: torch.Tensor  # [Q] int64
+
+
+def apply_penalties(logits: torch.Tensor, pt: PenaltyTensors) -> torch.Tensor:
+    """A new [N, vocab] tensor: penalised (row, token) logits changed, banned ones -inf.
+    Gather, compute, scatter: no device value is read back."""
+    out = logits.clone()
+    if pt.row.numel():
+        x = out[pt.row, pt.tok]
+        # HF / vLLM: a seen token's logit is divided by the penalty when positive and
+        # multiplied when negative (so it always becomes less likely for penalty > 1).
+        x = torch.where(x > 0, x / pt.rep, x * pt.rep)
+        # OpenAI's formula, over output tokens only (cnt is 0 for prompt-only ids).
+        x = x - pt.freq * pt.cnt - pt.pres * (pt.cnt > 0)
+        out[pt.row, pt.tok] = x
+    if pt.ban_row.numel():
+        out[pt.ban_row, pt.ban_tok] = float("-inf")
+    return out
 
 
 def _ngram_bans(ngram: list[tuple[int, _Entry]], vocab: int

@@ -1,20 +1,35 @@
-"""Sampler: logits of the last token of each finished chunk -> next token ids.
+"""Sampler: logits of the last token of each finished chunk -> next token ids, on the
+device the logits are on.
 
-Greedy rows take argmax; random rows apply temperature, min-p, top-k, top-p and draw with
-the request's own generator (seeded requests are reproducible whatever else is batched).
-Before either, a request's ``logit_bias`` is added and its penalties (presence, frequency,
-repetition, no-repeat n-gram: engine/penalties.py) applied, in vLLM's order. Logprobs are
-those of the model's raw logits (vLLM's default), so a biased or penalised pick need not be
-the top-1 there.
+Every step is batched tensor work on the logits' device; nothing reads the device back.
+What differs per request reaches the sampler as a ``SamplingTensors``: per-row parameters
+taken from the persistent batch's arrays (written once, when a request joins), the sparse
+(row, token) lists of its logit biases and penalties, and the grammar bitmask, all built on
+the host and carried to the device in the step's one copy (engine/device_io.py). In
+vLLM's order:
+
+    logits --logit_bias--> --penalties (engine/penalties.py)--> --grammar mask-->
+        greedy rows: argmax                 (the platform's: a C++ one on the CPU)
+        random rows: / temperature, min-p, top-k, top-p, then one draw per row:
+                     argmax(probs / q), q ~ Exp(1)  (the exponential race = a categorical
+                     draw; a seeded request draws its q from its own generator, so its
+                     tokens do not depend on its batch-mates)
+
+Logprobs are those of the model's logits as given (after a grammar mask, before bias and
+penalties: vLLM's default is the raw logits), top-k per row plus the sampled token, as
+device tensors the runner fetches with the ids in one copy.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from triptych.engine.penalties import PenaltyState
-from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
+from triptych.engine.penalties import PenaltyState, PenaltyTensors, apply_penalties
 from triptych.engine.sampling_params import SamplingParams
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N] int64
 
 
 @dataclass
@@ -23,101 +38,237 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: top-k (+ sampled) token -> logprob
 
 
+@dataclass
+class SamplingTensors:
+    """One step's sampling inputs for S rows, on the logits' device (host sizes aside).
+
+    Row order is the logits' order. Fields that no row needs are None: a greedy batch
+    without logprobs, bias, penalties or grammar carries nothing but ``greedy``."""
+
+    greedy: bool  # every row greedy (host)
+    random_rows: torch.Tensor | None = None  # [R] int64: rows drawn at random
+    temperature: torch.Tensor | None = None  # [R] float32 (of the random rows)
+    min_p: torch.Tensor | None = None  # [R] float32, or None: no row uses it
+    top_k: torch.Tensor | None = None  # [R] int64 (0: all), or None
+    top_k_max: int = 0  # the largest top_k (host: the topk launch size)
+    top_p: torch.Tensor | None = None  # [R] float32 (1: all), or None
+    seeded: list[tuple[int, torch.Generator]] | None = None  # (index in the R rows, its
+    # request's generator): drawn apart from the rest
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    penalties: PenaltyTensors | None = None
+    logprob_rows: torch.Tensor | None = None  # [W] int64: rows asking for logprobs
+    logprob_k: int = 0  # the largest k asked (host)
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.default_generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, argmax: Argmax = torch_argmax) -> None:
+        self.seed = seed
+        self.argmax = argmax  # the platform's (engine/platform.py)
+        self._defaults: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator(self, request_id: str, params: SamplingParams, device: torch.device
+                  ) -> torch.Generator | None:
+        """The request's own generator (seeded requests), made on first use; None for the
+        others (they share the sampler's)."""
         if params.seed is None:
-            return self.default_generator
+            return None
         gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+        if gen is None or gen.device != device:
+            gen = self._generators[request_id] = torch.Generator(device).manual_seed(params.seed)
         return gen
 
+    def _default(self, device: torch.device) -> torch.Generator:
+        gen = self._defaults.get(device)
+        if gen is None:
+            gen = self._defaults[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
+    # -- the step -----------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, st: SamplingTensors
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Token ids [S] int64 and, when asked, logprob tensors (top values [W, k], their
+        ids [W, k], the sampled token's [W]): all on the logits' device."""
+        # logits: [S, vocab] float32
+        x = logits
+        if st.bias is not None:
+            rows, ids, vals = st.bias
+            x = x.index_put((rows, ids), vals, accumulate=True)
+        if st.penalties is not None:
+            x = apply_penalties(x, st.penalties)
+        ids = self.argmax(x)
+        if not st.greedy and st.random_rows is not None and st.random_rows.numel():
+            ids = ids.index_copy(0, st.random_rows, self._draw(x[st.random_rows], st))
+        lp = None
+        if st.logprob_rows is not None and st.logprob_k >= 0:
+            full = torch.log_softmax(logits[st.logprob_rows], dim=-1)
+            top_v, top_i = full.topk(max(st.logprob_k, 1), dim=-1)
+            chosen = full.gather(1, ids[st.logprob_rows][:, None])[:, 0]
+            lp = (top_v, top_i, chosen)
+        return ids, lp
+
+    def _draw(self, x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """One categorical draw per random row: [R, vocab] -> [R] int64."""
+        assert st.temperature is not None
+        x = x / st.temperature[:, None]
+        if st.min_p is not None:
+            x = min_p_filter(x, st.min_p)
+        if st.top_k is not None:
+            kth = x.topk(st.top_k_max, dim=-1).values  # [R, kmax], descending
+            k = st.top_k.clamp(min=1, max=st.top_k_max)
+            floor = kth.gather(1, (k - 1)[:, None])
+            floor = torch.where(st.top_k[:, None] > 0, floor, torch.full_like(floor, -torch.inf))
+            x = x.masked_fill(x < floor, -torch.inf)
+        if st.top_p is not None:
+            x = top_p_filter(x, st.top_p)
+        probs = torch.softmax(x, dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self._default(x.device))
+        for i, gen in st.seeded or ():
+            q[i].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)
+
+    # -- the host convenience (tests, and callers outside the runner) --------------------
     def __call__(self, logits: torch.Tensor, request_ids: list[str],
                  params: list[SamplingParams], penalties: PenaltyState | None = None
                  ) -> SamplerOutput:
-        # logits: [N, vocab] float32
+        """Sample a host batch of logits: ``sampling_tensors`` + ``sample`` + the read."""
         logits = logits.float()
-        n = logits.shape[0]
-        biased = self._apply_bias(logits, params)
-        if penalties:  # (empty: no penalised request in the batch, nothing to do)
-            biased = penalties.apply(biased, request_ids)
-        out = self._argmax(biased)
-        rand = [i for i, sp in enumerate(params) if not sp.greedy]
-        if rand:
-            scaled = self._temperature_min_p(biased[rand], [params[i] for i in rand])
-            for row, i in enumerate(rand):
-                sp = params[i]
-                out[i] = self._sample_row(scaled[row], sp, self._generator(request_ids[i], sp))
-        token_ids = out.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * n
+        st = self.sampling_tensors(request_ids, params, logits.shape[-1], penalties,
+                                   logits.device)
+        ids, lp = self.sample(logits, st)
+        return to_output(ids.tolist(), lp, st, params)
+
+    def sampling_tensors(self, request_ids: list[str], params: list[SamplingParams],
+                         vocab: int, penalties: PenaltyState | None,
+                         device: torch.device) -> SamplingTensors:
+        """``SamplingTensors`` from per-row params (host lists), for callers without a
+        persistent batch; the runner builds the same from its arrays (input_batch.py)."""
+        host = sampling_arrays(
+            np.array([sp.temperature for sp in params], dtype=np.float32),
+            np.array([sp.top_k for sp in params], dtype=np.int64),
+            np.array([sp.top_p for sp in params], dtype=np.float32),
+            np.array([sp.min_p for sp in params], dtype=np.float32),
+            params, vocab, penalties, request_ids)
+        return self.bind(host, [torch.from_numpy(a).to(device) for a in host.arrays],
+                         request_ids, params, device)
+
+    def bind(self, host: SamplingArrays, tensors: list[torch.Tensor], request_ids: list[str],
+             params: list[SamplingParams], device: torch.device) -> SamplingTensors:
+        """``SamplingTensors`` from the device copies of ``host.arrays`` (in order)."""
+        it = iter(tensors)
+        st = SamplingTensors(greedy=host.greedy, top_k_max=host.top_k_max,
+                             logprob_k=host.logprob_k)
+        for name in host.names:
+            if name == "bias":
+                st.bias = (next(it), next(it), next(it))
+            elif name == "penalties":
+                st.penalties = PenaltyTensors(*(next(it) for _ in range(host.num_penalty)))
+            else:
+                setattr(st, name, next(it))
+        if not host.greedy:
+            rand = host.random_rows_list
+            st.seeded = [(i, g) for i, r in enumerate(rand)
+                         if (g := self.generator(request_ids[r], params[r], device)) is not None]
+        return st
+
+
+@dataclass
+class SamplingArrays:
+    """The host side of ``SamplingTensors``: numpy arrays in the order ``names`` says
+    (bias counts 3 arrays, penalties ``num_penalty``), ready for the step's one copy."""
+
+    greedy: bool
+    names: list[str]
+    arrays: list[np.ndarray]
+    random_rows_list: list[int]
+    top_k_max: int = 0
+    logprob_k: int = 0
+    num_penalty: int = 0
+
+
+def sampling_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                    min_p: np.ndarray, params: list[SamplingParams], vocab: int,
+                    penalties: PenaltyState | None, request_ids: list[str]) -> SamplingArrays:
+    """The host arrays a step's sampling needs, from the S rows' parameters (``temperature``
+    etc.: the rows' values, in logits order; ``params``: the same rows' objects)."""
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+
+    def add(name: str, *arrs: np.ndarray) -> None:
+        names.append(name)
+        arrays.extend(arrs)
+
+    rand = np.flatnonzero(temperature >= 1e-5)
+    out = SamplingArrays(greedy=not len(rand), names=names, arrays=arrays,
+                         random_rows_list=rand.tolist())
+    if len(rand):
+        add("random_rows", rand.astype(np.int64))
+        add("temperature", temperature[rand])
+        if (min_p[rand] > 0).any():
+            add("min_p", min_p[rand])
+        k = top_k[rand]
+        k = np.where((k > 0) & (k < vocab), k, 0)
+        if k.any():
+            out.top_k_max = int(k.max())
+            add("top_k", k.astype(np.int64))
+        if (top_p[rand] < 1).any():
+            add("top_p", top_p[rand])
+    bias = [(i, sp.logit_bias) for i, sp in enumerate(params) if sp.logit_bias]
+    if bias:
+        # NOTE: ids beyond this model's logits are dropped (P0 refuses them already).
+        triples = [(i, t, b) for i, lb in bias for t, b in lb.items() if 0 <= t < vocab]
+        if triples:
+            r, t, b = zip(*triples)
+            add("bias", np.array(r, np.int64), np.array(t, np.int64), np.array(b, np.float32))
+    if penalties:
+        pen = penalties.arrays(request_ids, vocab)
+        if pen is not None:
+            out.num_penalty = len(pen)
+            add("penalties", *pen)
+    want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+    if want:
+        out.logprob_k = max(params[i].logprobs for i in want)
+        add("logprob_rows", np.array(want, dtype=np.int64))
+    return out
+
+
+def to_output(token_ids: list[int], lp: tuple[np.ndarray | torch.Tensor, ...] | None,
+              st: SamplingTensors | SamplingArrays, params: list[SamplingParams]
+              ) -> SamplerOutput:
+    """Token ids and host copies of the logprob tensors -> ``SamplerOutput``."""
+    logprobs: list[dict[int, float] | None] = [None] * len(token_ids)
+    if lp is not None:
+        top_v, top_i, chosen = (np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t)
+                                for t in lp)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
-            k = max(params[i].logprobs for i in want)
-            top_v, top_i = lp.topk(max(k, 1), dim=-1)
-            for row, i in enumerate(want):
-                kk = params[i].logprobs
-                d = dict(zip(top_i[row, :kk].tolist(), top_v[row, :kk].tolist()))
-                d[token_ids[i]] = float(lp[row, token_ids[i]])
-                logprobs[i] = d
-        return SamplerOutput(token_ids, logprobs)
+        for w, i in enumerate(want):
+            k = params[i].logprobs
+            d = dict(zip(top_i[w, :k].tolist(), top_v[w, :k].tolist()))
+            d[token_ids[i]] = float(chosen[w])
+            logprobs[i] = d
+    return SamplerOutput(token_ids, logprobs)
 
-    @staticmethod
-    def _argmax(logits: torch.Tensor) -> torch.Tensor:
-        """torch.argmax over the vocab; on the CPU the C++ one (one pass, one thread per
-        64 MiB of logits: docs/performance.md, "Batch 32"), same result."""
-        if logits.device.type == "cpu" and logits.dim() == 2 and logits.is_contiguous() \
-                and logits.numel() and cpu_panel_gemm.loaded():
-            return cpu_panel_gemm.argmax(logits)
-        return logits.argmax(dim=-1)
 
-    @staticmethod
-    def _apply_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        rows = [i for i, sp in enumerate(params) if sp.logit_bias]
-        if not rows:
-            return logits
-        out = logits.clone()
-        vocab = logits.shape[-1]
-        for i in rows:
-            # NOTE: ids beyond this model's logits are dropped (P0 refuses them already).
-            bias = {t: b for t, b in params[i].logit_bias.items() if 0 <= t < vocab}
-            if bias:
-                out[i, list(bias)] += torch.tensor(list(bias.values()), dtype=out.dtype)
-        return out
+def min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens less likely than min_p x the row's top probability set to -inf (HF's
+    MinPLogitsWarper); rows with min_p 0 keep everything. scaled: [R, V], min_p: [R]."""
+    probs = torch.softmax(scaled, dim=-1)
+    floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(probs < floor, float("-inf"))
 
-    @staticmethod
-    def _temperature_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """[R, vocab] logits of the random rows over their temperatures, tokens below each
-        row's min_p threshold (min_p x the top token's probability) set to -inf: one op
-        for all rows (min_p = 0 rows keep everything)."""
-        temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype)
-        scaled = logits / temps[:, None]
-        min_p = torch.tensor([sp.min_p for sp in params], dtype=logits.dtype)
-        if bool((min_p > 0).any()):
-            probs = torch.softmax(scaled, dim=-1)
-            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            scaled = scaled.masked_fill(probs < floor, float("-inf"))
-        return scaled
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
-        # row: already over the temperature, min-p applied (_temperature_min_p)
-        if sp.top_k > 0 and sp.top_k < row.numel():
-            kth = torch.topk(row, sp.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            sorted_l, idx = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_l, dim=-1)
-            # Keep tokens whose preceding mass is below top_p (the first always stays).
-            drop = (probs.cumsum(-1) - probs) >= sp.top_p
-            sorted_l = sorted_l.masked_fill(drop, float("-inf"))
-            row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_l)
-        probs = torch.softmax(row, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the tokens whose preceding mass (in descending order) is below
+    top_p (the first always stays); rows with top_p 1 keep everything."""
+    sorted_l, idx = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(sorted_l, dim=-1)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_l)

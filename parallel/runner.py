@@ -23,7 +23,7 @@ from triptych.parallel.encoder_data import encode_data_parallel, rank_pixels
 from triptych.parallel.patch_balance import balance_by_patches
 from triptych.parallel import wire as tp_wire
 from triptych.engine.input_batch import StepInputs
-from triptych.engine.model_runner import ModelRunner
+from triptych.engine.model_runner import DeviceStep, ModelRunner
 from triptych.parallel.group import TPGroup
 from triptych.parallel.context import TPGroupError
 
@@ -57,7 +57,7 @@ class TPModelRunner(ModelRunner):
         self.num_kv_heads_total = num_kv_heads_total
 
     def run_model(self, inp: StepInputs, spans: list[tuple[int, torch.Tensor]],
-                  marks: list[float]) -> torch.Tensor | None:
+                  marks: list[float], dev: DeviceStep | None = None) -> torch.Tensor | None:
         with collective(self.group, "a model step"):
             tensors = step_arrays(inp)
             if spans:
@@ -65,7 +65,7 @@ class TPModelRunner(ModelRunner):
             self.group.send(tp_wire.Forward(
                 inp.max_query_len, [tp_wire.meta(t) for t in tensors],
                 [row for row, _ in spans], [e.shape[0] for _, e in spans]), tensors)
-            logits = super().run_model(inp, spans, marks)
+            logits = super().run_model(inp, spans, marks, dev)
             if logits is None:
                 return None
             parts = self.group.ctx.gather(logits)

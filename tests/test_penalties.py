@@ -26,7 +26,7 @@ from triptych import LLM, SamplingParams
 from triptych.engine.input_batch import InputBatch
 from triptych.engine.penalties import PenaltyState
 from triptych.engine.request import Request
-from triptych.engine.sampler import Sampler
+from triptych.engine.sampler import Sampler, min_p_filter
 from triptych.models.hf_oracle import hf_inputs, load_hf_model, no_eos
 
 SP = SamplingParams
@@ -126,7 +126,7 @@ def test_a_batch_without_penalties_pays_nothing(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the penalty path ran for a batch that asked for none")
 
-    monkeypatch.setattr(PenaltyState, "apply", boom)
+    monkeypatch.setattr(PenaltyState, "arrays", boom)
     state = PenaltyState()
     state.add("a", SP(temperature=0, min_p=0.5), [1], [])  # min_p needs no history
     out = Sampler()(torch.tensor([[0.0, 2.0, 1.0]]), ["a"], [SP(temperature=0)], state)
@@ -139,7 +139,8 @@ def test_min_p_filters_as_hf_min_p_warper(min_p, temp):
     logits = torch.randn(3, 50) * 2
     params = [SP(temperature=temp, min_p=min_p), SP(temperature=temp),
               SP(temperature=temp, min_p=min_p / 2)]
-    got = Sampler._temperature_min_p(logits, params)
+    temps = torch.tensor([sp.temperature for sp in params])
+    got = min_p_filter(logits / temps[:, None], torch.tensor([sp.min_p for sp in params]))
     for row, sp in enumerate(params):
         hf = TemperatureLogitsWarper(temp)(None, logits[row:row + 1].clone())
         if sp.min_p:

@@ -160,9 +160,12 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         signal.signal(signal.SIGUSR1, _on_parent_death)
         _die_with_parent()
     signal.signal(signal.SIGTERM, _on_sigterm)
+    from triptych.engine.platform import applies_host_policies
     from triptych.worker.threads import apply_thread_policy
 
-    apply_thread_policy(max(1, spec.num_threads))
+    # CPU workers take the thread and allocator policies; a GPU worker keeps torch's own
+    if applies_host_policies(str(spec.config.get("device", "auto"))):
+        apply_thread_policy(max(1, spec.num_threads))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     handler: Handler | None = None
