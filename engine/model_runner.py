@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.device_io import HostFetch, StepStaging
+from triptych.engine.device_io import HostFetch, StepStaging, to_device
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.grammar import apply_bitmask
@@ -293,7 +293,7 @@ class ModelRunner:
             for row, t0, count in inp.prompt_rows]).astype(np.int64)
         k = max(self.batch.reqs[row].sampling_params.prompt_logprobs or 0
                 for row, _, _ in inp.prompt_rows)
-        tgt = torch.from_numpy(targets).to(lp.device)
+        tgt = to_device(torch.from_numpy(targets), lp.device)
         tops = lp.topk(max(k, 1), dim=-1)
         chosen, top_v, top_i = self.fetch.fetch(
             [lp.gather(1, tgt[:, None])[:, 0], tops.values, tops.indices])
