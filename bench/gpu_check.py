@@ -20,6 +20,8 @@ Then DIR/summary.json and DIR/summary.md, a table for docs/performance.md.
 | decode  | decode-only tok/s at batch 1 and 64, as a fraction of the floor |
 | ocr     | 64 requests x one 448 px image x 128 tokens, against HF generate (batch 16) on the device |
 | ttft    | time to first token of one 448 px image chat, against HF generate |
+| attn    | attention kernels' speed at the served shapes: decode % of copy bandwidth (bench/kernels.py) |
+| cudatests | the repo's CUDA-only tests (files that skip without a GPU) under pytest |
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ STEPS: dict[str, tuple[str, int]] = {
     "kernels": ("gpu_steps", 75), "parity": ("gpu_steps", 100), "engines": ("gpu_steps", 45),
     "pools": ("gpu_steps", 120), "model": ("gpu_speed", 60), "floor": ("gpu_speed", 40),
     "syncs": ("gpu_speed", 50), "decode": ("gpu_speed", 60), "ocr": ("gpu_speed", 120),
-    "ttft": ("gpu_speed", 45)}
+    "ttft": ("gpu_speed", 45), "attn": ("gpu_steps", 45), "cudatests": ("gpu_steps", 120)}
 MIN_STEP_S = 15  # a step is skipped when less than this is left of the budget
 # what the GPU machine may lack (../shared/gpu/wheels.sh downloads them): import name -> pip name
 NEEDS = {"torch": "torch", "triton": "triton", "transformers": "transformers",
@@ -82,7 +84,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (Triton under TRITON_INTERPRET=1): proves the "
                         "script end to end before a GPU sees it")
-    p.add_argument("--budget", type=float, default=420.0,
+    p.add_argument("--budget", type=float, default=440.0,
                    help="seconds for all steps together; each step gets min(its limit, what "
                         "is left)")
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)  # the child process's
@@ -162,6 +164,8 @@ def _run_step(name: str, out: Path, smoke: bool, limit: float) -> dict[str, Any]
     if smoke:
         cmd.append("--cpu-smoke")
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    else:
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels
     path = out / f"{name}.json"
     path.unlink(missing_ok=True)
     t0 = time.monotonic()

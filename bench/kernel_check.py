@@ -13,6 +13,7 @@ sizes); this runs them where the compiled kernels run, at the sizes they are ser
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -56,6 +57,9 @@ def cases(smoke: bool, dev: str) -> Iterator[tuple[str, Callable[[], tuple[Any, 
     dec_lens = [1, 9, 23] if smoke else [1, 17, 300, 4096]
     spec = [(9, 9), (13, 4), (6, 1)] if smoke else [(300, 300), (1000, 64), (17, 1), (77, 76)]
     segs = [0, 1, 17, 40] if smoke else [0, 7, 1031, 2055, 3079]
+    # the host's longest context, chunk and segment, passed as the engine passes them
+    max_len, max_q = max(dec_lens), max(c for _, c in spec)
+    longest = max(b - a for a, b in itertools.pairwise(segs))
 
     def randn(*shape: int, dt: Any) -> Any:
         return torch.randn(*shape, generator=gen, device=dev).to(dt)
@@ -67,11 +71,12 @@ def cases(smoke: bool, dev: str) -> Iterator[tuple[str, Callable[[], tuple[Any, 
             q = randn(len(dec_lens), h, d, dt=dt)
             args = (q, k, v, bt, sl, d ** -0.5)
             yield (f"decode {name} {h}/{hkv}x{d}",
-                   lambda a=args: (tri.paged_decode_attention(*a), ref.paged_decode_attention(*a)))
-            yield (f"decode split-K {name} {h}/{hkv}x{d}",
-                   lambda a=args: (tri.paged_decode_attention(*a, partition_size=16 if smoke
-                                                              else 64),
+                   lambda a=args: (tri.paged_decode_attention(*a, max_seq_len=max_len),
                                    ref.paged_decode_attention(*a)))
+            yield (f"decode split-K {name} {h}/{hkv}x{d}",
+                   lambda a=args: (tri.paged_decode_attention(
+                       *a, max_seq_len=max_len, partition_size=16 if smoke else 64),
+                       ref.paged_decode_attention(*a)))
             lens, q_lens = [n for n, _ in spec], [c for _, c in spec]
             k, v, bt, sl = _paged(lens, hkv, d, bs, dt, dev, gen)
             qp = randn(sum(q_lens), h, d, dt=dt)
@@ -79,13 +84,13 @@ def cases(smoke: bool, dev: str) -> Iterator[tuple[str, Callable[[], tuple[Any, 
                               device=dev)
             args = (qp, k, v, bt, cu, sl, d ** -0.5)
             yield (f"prefill (cached prefix) {name} {h}/{hkv}x{d}",
-                   lambda a=args: (tri.paged_prefill_attention(*a),
-                                   ref.paged_prefill_attention(*a)))
+                   lambda a=args: (tri.paged_prefill_attention(
+                       *a, max_query_len=max_q), ref.paged_prefill_attention(*a)))
         vh, vd = (2, 16) if smoke else (16, 80)  # the 2B tower's heads
         cu = torch.tensor(segs, dtype=torch.int32, device=dev)
         qkv = [randn(segs[-1], vh, vd, dt=dt) for _ in range(3)]
         yield (f"varlen {name} {vh}x{vd}",
-               lambda a=(*qkv, cu, vd ** -0.5): (tri.varlen_attention(*a),
+               lambda a=(*qkv, cu, vd ** -0.5): (tri.varlen_attention(*a, max_seqlen=longest),
                                                  ref.varlen_attention(*a)))
         yield f"kv write {name}", lambda dt=dt: _kv_write(tri, ref, randn, dt, dev, smoke)
         n = 48 if smoke else 1536

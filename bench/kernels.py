@@ -1,7 +1,14 @@
 """Time each Triton kernel against its torch reference and the memory-bandwidth floor.
 
-    python bench/kernels.py            # on a CUDA GPU (7B-like decode shapes)
-    python bench/kernels.py --smoke    # CPU: tiny shapes under TRITON_INTERPRET=1
+    python -m triptych.bench.kernels                  # on a CUDA GPU (7B-like decode shapes)
+    python -m triptych.bench.kernels --heads 12,2     # Qwen2-VL-2B's 12 heads / 2 KV heads
+    python -m triptych.bench.kernels --smoke          # CPU: tiny shapes under TRITON_INTERPRET=1
+
+No host sync inside a timed region: every call gets the lengths the host knows (max
+context, max query length, host cu_seqlens), as the engine passes them, and the torch
+references their per-forward plans made beforehand (the engine makes one per forward for
+all layers); ``reps`` calls are launched back to back between two CUDA events and the
+device is synchronised once, after the last.
 
 The floor of a memory-bound kernel is (bytes it must move) / (measured device copy
 bandwidth, counting bytes read + written by a large `copy_`). Paged decode must read every
@@ -21,6 +28,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the interpreter")
     ap.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
     ap.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
+    ap.add_argument("--heads", default="32,8", help="query heads,KV heads (GPU shapes)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (GPU shapes)")
+    ap.add_argument("--json-out", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -36,28 +46,27 @@ def main() -> int:
 
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    h, hkv, d, bs = (4, 2, 16, 4) if args.smoke else (32, 8, 128, 16)
+    heads = [int(x) for x in args.heads.split(",")]
+    h, hkv, d, bs = (4, 2, 16, 4) if args.smoke else (heads[0], heads[1], args.head_dim, 16)
     batches = [2] if args.smoke else [int(x) for x in args.batches.split(",")]
     contexts = [20] if args.smoke else [int(x) for x in args.contexts.split(",")]
 
     def timeit(fn, reps: int = 1 if args.smoke else 20) -> float:
-        """Median seconds of ``reps`` runs after warmup (compiles and autotunes first)."""
+        """Seconds per call: ``reps`` calls back to back after warm-up (compiles first)."""
         for _ in range(1 if args.smoke else 3):
             fn()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e) / 1e3)
-            return sorted(times)[len(times) // 2]
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        if dev != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / 1e3 / reps
 
     n = (1 << 20) if args.smoke else (1 << 30)
     src = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -83,10 +92,13 @@ def main() -> int:
             part = choose_partition(b, hkv, ctx, _config(q, pad_dim(d))[0], num_sms(q.device))
             splits = -(-ctx // part)
             args_ = (q, k, v, bt, sl, d ** -0.5)
-            t_tri = timeit(lambda a=args_: triton_ops.paged_decode_attention(*a))
+            t_tri = timeit(lambda a=args_, n=ctx: triton_ops.paged_decode_attention(
+                *a, max_seq_len=n))
             # The reference gathers a copy of K/V: skip it where that copy would not fit.
-            t_ref = (timeit(lambda a=args_: torch_ref.paged_decode_attention(*a))
-                     if kv_bytes < (8 << 30) else float("nan"))
+            t_ref = float("nan")
+            if kv_bytes < (8 << 30):
+                plan = torch_ref.decode_plan(bt, sl, bs, max_seq_len=ctx)
+                t_ref = timeit(lambda a=args_, p=plan: torch_ref.paged_decode_attention(*a, p))
             floor = kv_bytes / copy_bw
             row = ("decode", b, ctx, t_tri * 1e6, t_ref * 1e6, kv_bytes / t_tri / 1e9,
                    100 * floor / t_tri)
@@ -106,15 +118,20 @@ def main() -> int:
     cu = torch.arange(0, t + 1, ql, device=dev, dtype=torch.int32)
     q = torch.randn(t, h, d, device=dev, dtype=dtype)
     slots = torch.arange(t, device=dev)
+    cu_cpu = cu.cpu()
+    p_plan = torch_ref.prefill_plan(bt, cu, sl, bs, cu_cpu=cu_cpu, lens_cpu=sl.cpu())
+    c_plan = torch_ref.cache_plan(slots, padded=False)
     extra = [
-        ("prefill", lambda: triton_ops.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5),
-         lambda: torch_ref.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5), None),
+        ("prefill", lambda: triton_ops.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5,
+                                                               max_query_len=ql),
+         lambda: torch_ref.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5, p_plan), None),
         ("reshape_cache",
          lambda: triton_ops.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v, slots),
-         lambda: torch_ref.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v, slots),
+         lambda: torch_ref.reshape_and_cache(q[:, :hkv], q[:, :hkv], k, v, slots, c_plan),
          4 * t * hkv * d * q.element_size()),
-        ("varlen_vision", lambda: triton_ops.varlen_attention(q, q, q, cu, d ** -0.5),
-         lambda: torch_ref.varlen_attention(q, q, q, cu, d ** -0.5), None),
+        ("varlen_vision", lambda: triton_ops.varlen_attention(q, q, q, cu, d ** -0.5,
+                                                              max_seqlen=ql),
+         lambda: torch_ref.varlen_attention(q, q, q, cu, d ** -0.5, cu_seqlens_cpu=cu_cpu), None),
     ]
     x = torch.randn(t, h * d, device=dev, dtype=dtype)
     w = torch.randn(h * d, device=dev, dtype=dtype)
@@ -126,8 +143,9 @@ def main() -> int:
     cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
     kr = q[:, :hkv].contiguous()
     sec = [d // 8, 3 * d // 16, 3 * d // 16]  # Qwen2-VL's [16, 24, 24] at head_dim 128
+    r_plan = torch_ref.mrope_plan(pos, cos_sin, sec)
     extra.append(("mrope", lambda: triton_ops.apply_mrope(q, kr, pos, cos_sin, sec),
-                  lambda: torch_ref.apply_mrope(q, kr, pos, cos_sin, sec),
+                  lambda: torch_ref.apply_mrope(q, kr, pos, cos_sin, sec, r_plan),
                   2 * (q.numel() + kr.numel()) * q.element_size()))
     for name, tri, ref, nbytes in extra:
         t_tri, t_ref = timeit(tri), timeit(ref)
@@ -142,6 +160,17 @@ def main() -> int:
     for r in rows:
         floor = "-" if r[6] != r[6] else f"{r[6]:.0f}%"  # NaN: no byte floor (compute-bound)
         print(f"  {r[0]:<14} {r[1]:>5} {r[2]:>7} {floor:>8} {r[4] / r[3]:>8.2f}x")
+    if args.json_out:
+        import json
+        import math
+
+        keys = ("kernel", "batch", "ctx", "triton_us", "torch_us", "gb_s", "pct_floor")
+        with open(args.json_out, "w") as f:  # NaN (no floor, no reference) as null
+            json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                       "heads": [h, hkv, d], "copy_gb_s": copy_bw / 1e9,
+                       "rows": [{k: None if isinstance(v, float) and math.isnan(v) else v
+                                 for k, v in zip(keys, r, strict=True)}
+                                for r in rows]}, f, indent=2)
     return 0
 
 
