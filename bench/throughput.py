@@ -78,6 +78,9 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--dtype", default="auto", help="triptych --dtype; HF runs in the engine's "
                    "compute dtype (on the CPU, bfloat16 / float16 are 16-bit linear weights "
                    "under fp32 activations: HF stays fp32)")
+    t.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="triptych's share of the GPU (default: the engine's); leave room for "
+                        "HF's copy of the model on the same device")
     t.add_argument("--quantization", default=None, help="triptych --quantization (int8: 8-bit "
                    "linear weights on the CPU; HF stays fp32)")
     for name in SUBCOMMANDS.values():
@@ -123,7 +126,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm = LLM(w["model"], max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, disable_log_stats=True,
               cpu_threads=threads, dtype=args.dtype, quantization=args.quantization,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              **({"gpu_memory_utilization": args.gpu_memory_utilization}
+                 if args.gpu_memory_utilization else {}))
 
     def inputs(r: int) -> list[Any]:  # fresh images per round: no cache helps either side
         images = _images(w["num_requests"], w["image_size"], args.seed + 1000 * (r + 1))
