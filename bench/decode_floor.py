@@ -156,7 +156,10 @@ def measure(g: StepGemms, batches: list[int], device: str, dtype_name: str, reps
         row: dict[str, Any] = {"batch": b, "weight_gb": nbytes / 1e9}
         row["eager_ms"] = 1e3 * _time(step, reps, cuda)
         if cuda:
-            row["graph_ms"] = 1e3 * _time(_graphed(step), reps, cuda)
+            try:
+                row["graph_ms"] = 1e3 * _time(_graphed(step), reps, cuda)
+            except RuntimeError as e:  # a capture that fails leaves the eager figure standing
+                row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         for kind in ("eager", "graph"):
             if f"{kind}_ms" in row:
                 row[f"{kind}_tok_s"] = b / row[f"{kind}_ms"] * 1e3

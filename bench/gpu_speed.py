@@ -58,10 +58,10 @@ def step_floor(ctx: Any) -> None:
     res = measure(g, [1, 8, 64, 256], ctx.device, "float32" if ctx.smoke else "bfloat16",
                   reps=2 if ctx.smoke else 20)
     print(report(res))
-    kind = "eager" if ctx.smoke else "graph"
+    kind = "graph" if all("graph_ms" in r for r in res["rows"]) else "eager"
     ctx.save(ok=True, **res, summary=f"{kind} floor: " + ", ".join(
         f"batch {r['batch']} {r[f'{kind}_tok_s']:,.0f} tok/s ({r[f'{kind}_ms']:.2f} ms)"
-        for r in res["rows"]) + ("" if ctx.smoke else " (eager: " + ", ".join(
+        for r in res["rows"]) + ("" if kind == "eager" else " (eager: " + ", ".join(
             f"{r['eager_ms']:.2f}" for r in res["rows"]) + " ms)"))
 
 
