@@ -39,7 +39,6 @@ from triptych.engine.model_shape import (
     num_kv_blocks,
     resolve_cpu_weights,
     resolve_device,
-    resolve_dtype,
     resolve_max_model_len,
 )
 from triptych.engine.profile_run import (
@@ -128,16 +127,14 @@ def load_for_role(config: EngineConfig, role: str, data_kind: str = "",
 def read_checkpoint(config: EngineConfig, device: torch.device
                     ) -> tuple[Any, torch.dtype, str, ModelShape]:
     """The checkpoint's HF config, and the dtype, attention backend and shape it resolves
-    to on ``device`` (every rank of a group reads the same). A model whose CPU linear
-    layers pack their weights computes in fp32 (``resolve_cpu_weights``)."""
+    to on ``device`` (every rank of a group reads the same): the device's choices are
+    ``engine/platform.py``'s."""
     from transformers import AutoConfig
-    from triptych.kernels import resolve_backend
+    from triptych.engine.platform import platform_for
 
     hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
-    dtype = torch.float32 if resolve_cpu_weights(config, device) else \
-        resolve_dtype(config.dtype, device, getattr(hf, "dtype", None))
-    backend = resolve_backend(config.attention_backend, device.type)
-    return hf, dtype, backend, ModelShape.from_hf(hf)
+    platform = platform_for(config, device, getattr(hf, "dtype", None))
+    return hf, platform.dtype, platform.attention_backend, ModelShape.from_hf(hf)
 
 
 def load_engine_core(config: EngineConfig, eos_token_id: int | None = None,
