@@ -18,7 +18,13 @@ from triptych.kernels import resolve_backend, torch_ref
 import triton  # noqa: E402, F401 (the [triton] extra, which the README installs)
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets the interpreter first"
 from triptych.kernels.triton import ops as triton_ops  # noqa: E402  (after the interpreter check)
-from triptych.kernels.triton.decode_attention import MAX_PARTITION, choose_partition  # noqa: E402
+from triptych.kernels.triton.decode_attention import (  # noqa: E402
+    MAX_PARTITION,
+    choose_partition,
+    choose_splits,
+    decode_block_n,
+    partition_for,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -84,21 +90,50 @@ def test_decode_attention_many_splits(dtype):
           ref, dtype)
 
 
-def test_choose_partition():
-    """Split count follows the shape (H100: 132 SMs, 8 KV heads, 64-token tiles): few long
-    sequences split into many partitions, big batches keep partitions <= MAX_PARTITION,
-    no partition is shorter than two tiles."""
+def test_split_rule():
+    """The split count follows the shape (H100: 132 SMs, 64-token tiles): programs (batch x
+    KV heads x splits) fill the device about three times over where the context allows,
+    no split is shorter than a tile or longer than MAX_PARTITION; the issue's case (batch
+    1, 2 KV heads, 4K context) now launches 128 programs, not 64."""
     sms, bn = 132, 64
     for b in (1, 8, 64, 256):
-        for ctx in (100, 512, 4096, 32768):
-            p = choose_partition(b, 8, ctx, bn, sms)
-            splits = -(-ctx // p)
-            assert p % bn == 0 and 2 * bn <= p <= max(MAX_PARTITION, 2 * bn)
-            # enough programs (4 per SM), unless that would cut partitions below two tiles
-            assert b * 8 * splits >= 4 * sms or p == 2 * bn or splits == -(-ctx // (2 * bn))
-    assert choose_partition(1, 8, 100, bn, sms) >= 100  # one split: no reduce launch
-    assert -(-32768 // choose_partition(1, 8, 32768, bn, sms)) * 8 >= 4 * sms
+        for hkv in (2, 8):
+            for ctx in (100, 512, 4096, 32768):
+                splits = choose_splits(b, hkv, ctx, bn, sms)
+                p = partition_for(ctx, splits, bn)
+                assert p % bn == 0 and bn <= p and -(-ctx // p) <= splits
+                assert p <= MAX_PARTITION or splits == -(-ctx // MAX_PARTITION)
+                # enough programs, unless that would cut splits below one tile
+                assert b * hkv * splits >= 3 * sms or splits == -(-ctx // bn) \
+                    or splits == -(-ctx // MAX_PARTITION)
+    assert choose_splits(1, 2, 4096, bn, sms) * 2 == 128
+    assert choose_splits(1, 2, 32768, bn, sms) * 2 >= 3 * sms  # 32K: the device is full
+    assert choose_partition(1, 8, 100, bn, sms) >= 100 or choose_splits(1, 8, 100, bn, sms) > 1
     assert choose_partition(256, 8, 32768, bn, sms) == MAX_PARTITION
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_fixed_splits_for_graphs(dtype):
+    """A CUDA graph's launch: splits fixed by the batch size and the partition read from
+    device memory. One launch shape serves contexts 17 and 300 alike, and a padding row of
+    length 0 gives zeros (no NaN) and leaves the real rows as they are."""
+    k, v, bt, sl = paged_setup([300, 17, 1], 2, 32, 16, dtype, seed=5)
+    q = torch.randn(3, 4, 32).to(dtype)
+    ref = torch_ref.paged_decode_attention(q, k, v, bt, sl, 32 ** -0.5)
+    bn = decode_block_n(dtype, 32)
+    for splits in (1, 3, 8):
+        part = torch.tensor([partition_for(int(sl.max()), splits, bn)], dtype=torch.int32)
+        got = triton_ops.paged_decode_attention(q, k, v, bt, sl, 32 ** -0.5,
+                                                num_splits=splits, partition=part)
+        close(got, ref, dtype)
+    padded = sl.clone()
+    padded[2] = 0  # a padding row
+    for splits in (1, 3):
+        part = torch.tensor([partition_for(300, splits, bn)], dtype=torch.int32)
+        got = triton_ops.paged_decode_attention(q, k, v, bt, padded, 32 ** -0.5,
+                                                num_splits=splits, partition=part)
+        assert torch.isfinite(got.float()).all() and not got[2].float().abs().any()
+        close(got[:2], ref[:2], dtype)
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 4), (8, 2)])
@@ -257,7 +292,7 @@ def test_kernels_compile_for_h100():
     r = subprocess.run([sys.executable, "-m", "triptych.kernels.triton.compile_check", "--arch", "90"],
                        env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 21 and "0 failed" in r.stdout
+    assert r.stdout.count("ok ") == 27 and "0 failed" in r.stdout  # 9 launches x 3 dtypes
 
 
 # ---------------------------------------------------------------- per-forward plans (torch)

@@ -19,9 +19,15 @@ _LAUNCHES = {
     "triptych.kernels.triton.cache:_reshape_and_cache_kernel": dict(ROW=1024, BLOCK=1024),
     "triptych.kernels.triton.decode_attention:_decode_split_kernel": dict(
         G=4, BLOCK_H=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, ONE_SPLIT=False,
-        UPCAST=None),
+        UPCAST=None, PART_IN_MEMORY=False),
     "triptych.kernels.triton.decode_attention:_decode_reduce_kernel": dict(
-        D=128, D_PAD=128, S_BLOCK=16),
+        D=128, D_PAD=128, S_BLOCK=16, PART_IN_MEMORY=False),
+    # the CUDA-graph launch: the partition read from device memory (#: a second variant)
+    "triptych.kernels.triton.decode_attention:_decode_split_kernel#graph": dict(
+        G=6, BLOCK_H=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, ONE_SPLIT=False,
+        UPCAST=None, PART_IN_MEMORY=True),
+    "triptych.kernels.triton.decode_attention:_decode_reduce_kernel#graph": dict(
+        D=128, D_PAD=128, S_BLOCK=16, PART_IN_MEMORY=True),
     "triptych.kernels.triton.prefill_attention:_prefill_kernel": dict(
         G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, UPCAST=None),
     "triptych.kernels.triton.prefill_attention:_varlen_kernel": dict(
@@ -30,7 +36,7 @@ _LAUNCHES = {
     "triptych.kernels.triton.norm_rope:_mrope_kernel": dict(
         NH=32, HALF=64, HALF_PAD=64, NH_PAD=32, S0=16, S1=24),
 }
-_INT32_PTRS = {"bt_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_ptr"}
+_INT32_PTRS = {"bt_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_ptr", "part_ptr"}
 _INT64_PTRS = {"slot_ptr", "pos_ptr"}
 _FP32_PTRS = {"part_out_ptr", "part_m_ptr", "part_l_ptr", "cache_ptr"}
 _FP32_SCALARS = {"scale", "eps"}
@@ -73,7 +79,8 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     failed = 0
     for spec, consts in _LAUNCHES.items():
-        mod, name = spec.split(":")
+        mod, name = spec.split("#")[0].split(":")
+        name_shown = name + ("" if "#" not in spec else " (" + spec.split("#")[1] + ")")
         fn = getattr(importlib.import_module(mod), name)
         for dtype in args.dtypes.split(","):
             c = dict(consts)
@@ -87,12 +94,12 @@ def main() -> int:
                 k = triton.compile(ASTSource(fn, _signature(fn.arg_names, c, dtype), c, attrs),
                                    target=target)
                 n_regs = getattr(k, "n_regs", None)
-                print(f"ok    {name:<28} {dtype:<5} sm_{args.arch} "
+                print(f"ok    {name_shown:<28} {dtype:<5} sm_{args.arch} "
                       f"({time.perf_counter() - t0:.1f} s, {len(k.asm['cubin'])} B cubin"
                       f"{'' if n_regs is None else f', {n_regs} regs'})")
             except Exception as e:  # report every kernel, then fail
                 failed += 1
-                print(f"FAIL  {name:<28} {dtype:<5} sm_{args.arch}: {type(e).__name__}: "
+                print(f"FAIL  {name_shown:<28} {dtype:<5} sm_{args.arch}: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}")
     print(f"{failed} failed")
     return 1 if failed else 0

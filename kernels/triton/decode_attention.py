@@ -17,6 +17,12 @@ With one split (big batches) the first kernel normalises and writes the output i
 The partition is a runtime argument, not a constexpr: the split count changes as contexts
 grow, and a constexpr would recompile the kernel for every new value.
 
+Inside a CUDA graph (engine/cuda_graphs.py) no launch parameter may change between
+replays: the split count is fixed per captured batch size (``num_splits``) and the
+partition is read from device memory (``partition_ptr``, written with the step's inputs),
+so one graph serves every context length with all its splits busy. A row of length 0 (a
+padding row) gives zeros, never 0 / 0.
+
 Loads are upcast to fp32 for fp32 inputs and under TRITON_INTERPRET=1 (the interpreter
 computes bf16 wrongly otherwise); every dtype accumulates in fp32.
 """
@@ -35,18 +41,22 @@ S_BLOCK = 16  # splits merged per step of the reduce kernel
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
-                         part_out_ptr, part_m_ptr, part_l_ptr, scale, partition, num_splits,
-                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
-                         stride_ob, stride_oh, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                         part_out_ptr, part_m_ptr, part_l_ptr, scale, partition, part_ptr,
+                         num_splits, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+                         stride_btb, stride_ob, stride_oh, G: tl.constexpr,
+                         BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ONE_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                         PART_IN_MEMORY: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    if PART_IN_MEMORY:  # (a CUDA graph: the step wrote it)
+        partition = tl.load(part_ptr)
     start = split * partition
-    if start >= seq_len:  # a shorter sequence of the batch: the reduce skips this split
-        return
+    if split > 0 and start >= seq_len:  # a shorter sequence: the reduce skips this split
+        return  # (split 0 always runs: a row of length 0 writes an empty partial)
     end = tl.minimum(start + partition, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_PAD)
@@ -72,7 +82,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, scale, UPCAST)
     if ONE_SPLIT:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (length 0: zeros, not 0 / 0)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     else:
@@ -86,10 +96,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
 
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
-                          partition, num_splits, stride_ob, stride_oh, D: tl.constexpr,
-                          D_PAD: tl.constexpr, S_BLOCK: tl.constexpr):
+                          partition, part_ptr, num_splits, stride_ob, stride_oh,
+                          D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr,
+                          PART_IN_MEMORY: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PART_IN_MEMORY:
+        partition = tl.load(part_ptr)
     n_splits = tl.cdiv(tl.load(seq_lens_ptr + b), partition)  # this sequence's own count
     base = (b * tl.num_programs(1) + h) * num_splits
     offs_d = tl.arange(0, D_PAD)
@@ -104,12 +117,13 @@ def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_len
         lsum = tl.load(part_l_ptr + base + offs_s, mask=mask_s, other=0.0)
         part = tl.load(part_out_ptr + (base + offs_s).to(tl.int64)[:, None] * D_PAD
                        + offs_d[None, :], mask=mask_s[:, None], other=0.0)  # [S_BLOCK, D_PAD]
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite: split s0 always has tokens
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite: split s0 has tokens
         alpha = tl.exp(m_run - m_new)
         w = tl.exp(m - m_new)  # masked splits: exp(-inf) = 0
         l_run = l_run * alpha + tl.sum(lsum * w, axis=0)
         acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
         m_run = m_new
+    l_run = tl.where(l_run > 0, l_run, 1.0)  # a row of length 0: zeros, not 0 / 0
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
              (acc / l_run).to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
@@ -126,25 +140,43 @@ def _config(q: torch.Tensor, d_pad: int) -> tuple[int, int, int]:
     return (64, 4, 3) if d_pad <= 128 else (32, 4, 3)
 
 
+def choose_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int, sms: int
+                  ) -> int:
+    """How many splits a context of ``max_len`` tokens is cut into: enough programs
+    (batch x KV heads x splits) to fill the device about 3 times over, none shorter than
+    one tile (the merge and launch overhead win there), none longer than MAX_PARTITION.
+
+    A CUDA graph fixes this per captured batch size, with ``max_len`` the longest context
+    the engine allows (engine/cuda_graphs.py)."""
+    splits = triton.cdiv(3 * sms, batch * num_kv_heads)
+    splits = min(splits, triton.cdiv(max_len, block_n))
+    return max(splits, triton.cdiv(max_len, MAX_PARTITION), 1)
+
+
+def partition_for(max_len: int, splits: int, block_n: int) -> int:
+    """Tokens per split so that ``splits`` splits cover ``max_len``: a multiple of
+    ``block_n`` (never less than one tile)."""
+    return max(block_n, triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n)
+
+
 def choose_partition(batch: int, num_kv_heads: int, max_len: int, block_n: int,
                      sms: int) -> int:
-    """Tokens per split, from the shape: enough programs to fill the GPU (~4 per SM) even
-    for a few long sequences, no split shorter than 2 tiles (merge and launch overhead
-    win there), none longer than MAX_PARTITION; a multiple of ``block_n``."""
-    splits = triton.cdiv(4 * sms, batch * num_kv_heads)
-    splits = min(splits, triton.cdiv(max_len, 2 * block_n))
-    splits = max(splits, triton.cdiv(max_len, MAX_PARTITION), 1)
-    part = triton.cdiv(max_len, splits)
-    if splits == 1:
-        return triton.cdiv(part, block_n) * block_n
-    # Round down, so rounding never leaves fewer splits (programs) than chosen.
-    return max(2 * block_n, part // block_n * block_n)
+    """Tokens per split for an eager launch (``choose_splits``, then ``partition_for``)."""
+    return partition_for(max_len, choose_splits(batch, num_kv_heads, max_len, block_n, sms),
+                         block_n)
+
+
+def decode_block_n(dtype: torch.dtype, head_dim: int) -> int:
+    """The key tile of the decode kernel for this dtype and head size (a partition written
+    into device memory must be a multiple of it)."""
+    return _config(torch.empty(0, dtype=dtype), pad_dim(head_dim))[0]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int | None = None,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, num_splits: int | None = None,
+                           partition: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (GQA aware).
 
     q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
@@ -152,7 +184,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     including the query token. Returns [B, H, D] in q's dtype. ``max_seq_len``: the
     longest context, from the host (the engine always passes it; None reads ``seq_lens``,
     a device sync). ``partition_size`` (tokens per split, a multiple of 16) overrides
-    ``choose_partition``; tests force split-K with it.
+    ``choose_partition``; tests force split-K with it. ``num_splits`` + ``partition`` (a
+    1-element int32 device tensor holding the tokens per split, a multiple of
+    ``decode_block_n``) fix the launch for a CUDA graph: the grid does not depend on the
+    lengths, and ``max_seq_len`` is then unused.
     """
     fn = "paged_decode_attention"
     check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
@@ -173,16 +208,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     g = h // hkv
     d_pad = pad_dim(d)
     block_n, warps, stages = _config(q, d_pad)
-    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    if partition_size is None:
-        partition = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
+    in_memory = num_splits is not None
+    if in_memory:
+        require(partition is not None and partition.numel() == 1 and num_splits >= 1,
+                f"{fn}: num_splits needs partition (a 1-element device tensor)")
+        splits, part = num_splits, 0
     else:
-        require(partition_size > 0 and partition_size % 16 == 0,
-                f"{fn}: partition_size must be a positive multiple of 16")
-        partition = partition_size
-        while partition % block_n:
-            block_n //= 2
-    splits = triton.cdiv(max_len, partition)
+        max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+        if partition_size is None:
+            part = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
+        else:
+            require(partition_size > 0 and partition_size % 16 == 0,
+                    f"{fn}: partition_size must be a positive multiple of 16")
+            part = partition_size
+            while part % block_n:
+                block_n //= 2
+        splits = triton.cdiv(max_len, part)
+    part_ptr = partition if in_memory else seq_lens  # (unread unless PART_IN_MEMORY)
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     if splits > 1:
         part_out = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
@@ -191,14 +233,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_m = part_l = out  # unused by the one-split path
     _decode_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, bt, seq_lens, out, part_out, part_m, part_l, scale, partition,
-        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, bt, seq_lens, out, part_out, part_m, part_l, scale, part,
+        part_ptr, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), bt.stride(0), out.stride(0), out.stride(1), G=g,
         BLOCK_H=max(triton.next_power_of_2(g), 16), D=d, D_PAD=d_pad, BLOCK_SIZE=bs,
         BLOCK_N=block_n, ONE_SPLIT=splits == 1, UPCAST=upcast(q), num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, PART_IN_MEMORY=in_memory)
     if splits > 1:
         _decode_reduce_kernel[(b, h)](
-            part_out, part_m, part_l, out, seq_lens, partition, splits, out.stride(0),
-            out.stride(1), D=d, D_PAD=d_pad, S_BLOCK=S_BLOCK)
+            part_out, part_m, part_l, out, seq_lens, part, part_ptr, splits, out.stride(0),
+            out.stride(1), D=d, D_PAD=d_pad, S_BLOCK=S_BLOCK, PART_IN_MEMORY=in_memory)
     return out
