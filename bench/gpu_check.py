@@ -96,7 +96,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.step:
         return _child(args.step, out, args.cpu_smoke)
@@ -170,7 +170,9 @@ def _run_step(name: str, out: Path, smoke: bool, limit: float) -> dict[str, Any]
     path.unlink(missing_ok=True)
     t0 = time.monotonic()
     with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        # NOTE: run from the out folder: `-m` puts the working directory first on sys.path,
+        # and a checkout's root holds folders named like other packages (kernels, models)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
                                 start_new_session=True)
         try:
             rc: int | None = proc.wait(timeout=limit)
