@@ -37,6 +37,9 @@ FLAG_SPELLINGS = {
     "num_kv_blocks": ("--num-gpu-blocks-override", "--num-kv-blocks"),
     "kv_cache_memory": ("--kv-cache-memory", "--kv-cache-memory-bytes"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    # SGLang's spellings: --disable-cuda-graph, --cuda-graph-max-bs
+    "enforce_eager": ("--enforce-eager", "--disable-cuda-graph"),
+    "max_cudagraph_capture_size": ("--max-cudagraph-capture-size", "--cuda-graph-max-bs"),
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -172,7 +175,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
         hint = hints[f.name]
         if hint is bool:
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads") or \
+        elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads",
+                                       "max_cudagraph_capture_size") or \
                 f.name.endswith("_tensor_parallel_size"):
             g.add_argument(*flags, type=int, **kw)
         elif hint is float or f.name.endswith("_gpu_memory_utilization"):

@@ -70,7 +70,10 @@ def _check_ray_knobs(config: EngineConfig) -> None:
 
 
 # vLLM's name -> ours, where they differ (the CLI takes both spellings too, see cli.py)
-ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory"}
+ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_memory",
+           "cuda_graph_max_bs": "max_cudagraph_capture_size"}  # (SGLang's spelling)
+# compilation_config keys this engine takes (vLLM's names)
+COMPILATION_KEYS = {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,16 @@ class EngineConfig:
     encode_resources: dict[str, float] | str | None = None  # distributed_executor_backend=ray: JSON resources each encode worker asks of Ray on top of one CPU per rank (GPU per rank with --device cuda), e.g. '{"vision_node": 1}' to pin the pool to nodes started with that custom resource; "CPU"/"GPU" given here are per rank
     prefill_resources: dict[str, float] | str | None = None  # the same for each prefill worker
     decode_resources: dict[str, float] | str | None = None  # the same for each decode (or colocated) worker
+    enforce_eager: bool = True  # CUDA: run every step eagerly. --no-enforce-eager captures decode steps as CUDA graphs per padded batch size (engine/cuda_graphs.py; prefill and mixed steps stay eager). Graphs are opt-in until their figures are taken on a GPU (docs/performance.md); vLLM's default is graphs on. SGLang's --disable-cuda-graph is an alias
+    compilation_config: dict[str, Any] | str | None = None  # JSON, vLLM's: {"cudagraph_capture_sizes": [1, 2, 4, 8, ...], "max_cudagraph_capture_size": 256}: the decode batch sizes captured as CUDA graphs (default 1, 2, 4 and multiples of 8 up to max_num_seqs, at most 256); a step of more rows runs eagerly
+    max_cudagraph_capture_size: int | None = None  # the largest decode batch captured as a CUDA graph (compilation_config's key as a flag; SGLang: --cuda-graph-max-bs)
     cpu_threads: int | None = None  # torch CPU threads of each engine process (default: one engine takes OMP_NUM_THREADS or every core; pool workers and replicas split this host's cores)
 
     def __post_init__(self) -> None:
         _check_ray_knobs(self)
         if isinstance(self.limit_mm_per_prompt, str):
             object.__setattr__(self, "limit_mm_per_prompt", json.loads(self.limit_mm_per_prompt))
+        self.compilation_dict()  # (refuses unknown keys and bad values here, once)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -217,6 +224,35 @@ class EngineConfig:
         for k, v in self.limit_mm_per_prompt.items():
             if k not in ("image", "video") or not isinstance(v, int) or v < 0:
                 raise ValueError(f"limit_mm_per_prompt: bad entry {k!r}: {v!r}")
+
+    def compilation_dict(self) -> dict[str, Any]:
+        """``compilation_config`` as a dict (JSON text parsed), with the flag
+        ``max_cudagraph_capture_size`` folded in. ValueError for keys this engine lacks."""
+        cc = self.compilation_config
+        if isinstance(cc, str):
+            try:
+                cc = json.loads(cc)
+            except ValueError:
+                cc = None
+            if not isinstance(cc, dict):
+                raise ValueError("compilation_config must be a JSON object such as "
+                                 '\'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'')
+        cc = dict(cc or {})
+        unknown = sorted(set(cc) - COMPILATION_KEYS)
+        if unknown:
+            raise ValueError(f"compilation_config: unknown key(s) {unknown}; this engine "
+                             f"takes {sorted(COMPILATION_KEYS)}")
+        if self.max_cudagraph_capture_size is not None:
+            cc["max_cudagraph_capture_size"] = self.max_cudagraph_capture_size
+        sizes = cc.get("cudagraph_capture_sizes")
+        if sizes is not None and (not isinstance(sizes, list) or not sizes or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)):
+            raise ValueError("compilation_config.cudagraph_capture_sizes must be a list of "
+                             f"positive batch sizes, got {sizes!r}")
+        cap = cc.get("max_cudagraph_capture_size")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"max_cudagraph_capture_size must be a positive integer, got {cap!r}")
+        return cc
 
     def pool_tensor_parallel_size(self, pool: str) -> int:
         """Ranks of each worker of ``pool`` (colocated | encode | prefill | decode)."""

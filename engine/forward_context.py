@@ -31,6 +31,14 @@ class AttentionMetadata:
     cu_seqlens_q_cpu: np.ndarray | None = None
     seq_lens_cpu: np.ndarray | None = None
     padded: bool | None = None  # None: unknown (looked up on the device)
+    # A CUDA graph's decode launch (engine/cuda_graphs.py): the split count fixed for the
+    # captured batch size, and the tokens per split in a 1-element device tensor
+    decode_splits: int | None = None
+    decode_partition: torch.Tensor | None = None
+    # True when every row's context is exactly its query chunk (prompts' first chunks, no
+    # prefix-cache hit, no decode row): attention may run on the step's fresh q/k/v
+    # without reading the cache. False (the default) is always safe: the paged path.
+    no_cached_prefix: bool = False
     # Per-forward values derived from the fields above (gather indices, masks, rotary
     # cos/sin): built by the first layer that needs them, reused by every other layer.
     plans: dict[str, Any] = field(default_factory=dict)

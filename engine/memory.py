@@ -65,14 +65,17 @@ class Usage:
     peak_activation: int  # the profile step's peak above what was allocated before it
     non_torch: int  # growth of non-torch memory since the worker started
     encoder_cache: int = 0  # room the encoder cache will fill with embeddings
+    cuda_graphs: int = 0  # what the decode CUDA graphs hold (a trial capture measures it)
 
     @property
     def total(self) -> int:
-        return self.weights + self.peak_activation + self.non_torch + self.encoder_cache
+        return self.weights + self.peak_activation + self.non_torch + self.encoder_cache + \
+            self.cuda_graphs
 
     def describe(self) -> str:
         return (f"weights {gib(self.weights)}, peak activation {gib(self.peak_activation)}, "
-                f"non-torch {gib(self.non_torch)}, encoder cache {gib(self.encoder_cache)}")
+                f"non-torch {gib(self.non_torch)}, encoder cache {gib(self.encoder_cache)}"
+                + (f", CUDA graphs {gib(self.cuda_graphs)}" if self.cuda_graphs else ""))
 
 
 def share_flag(config: Any, pool: str = "") -> str:

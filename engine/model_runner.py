@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from triptych.engine.cuda_graphs import CudaGraphRunner
 from triptych.engine.device_io import HostFetch, StepStaging, to_device
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -66,6 +67,8 @@ class DeviceStep:
     meta: AttentionMetadata
     logits_index: torch.Tensor | None  # [S + P] int64, None: every row, in order
     extra: list[torch.Tensor]
+    graph_bucket: int | None = None  # the captured decode graph this step replays
+    graph_partition: torch.Tensor | None = None  # [1] int32: its decode tokens per split
 
 
 class GreedyIds:
@@ -90,6 +93,7 @@ class ModelRunner:
         self.block_size, self.device, self.dtype = block_size, device, dtype
         self._kv_layout = (num_layers, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: CudaGraphRunner | None = None  # decode steps as CUDA graphs
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, argmax or sampler_argmax(device))
         # the logits' width (every rank's slices together): the checkpoint's text vocab
@@ -105,6 +109,7 @@ class ModelRunner:
         old one first (a profile run sizes the real cache after running on a small one).
         Only between steps: block ids held by requests refer to the old cache."""
         num_layers, block_size, num_kv_heads, head_dim = self._kv_layout
+        self.disable_cuda_graphs()  # (captured over the old cache's addresses)
         self.kv_caches = []  # NOTE: drop the old tensors before allocating the new ones
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -162,25 +167,52 @@ class ModelRunner:
         embs = self.encoder.get_embeddings([it for _, it, _, _ in spans])
         return [(row, embs[it.mm_hash][start:start + n]) for row, it, start, n in spans]
 
-    def stage(self, inp: StepInputs, extra: list[np.ndarray] | None = None) -> DeviceStep:
+    def enable_cuda_graphs(self, sizes: list[int], max_model_len: int) -> int:
+        """Capture the decode forward for these batch sizes over the current KV cache;
+        returns the bytes the graphs hold (engine/cuda_graphs.py)."""
+        num_layers, block_size, num_kv_heads, head_dim = self._kv_layout
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.ops, sizes,
+                                      max_model_len, block_size, num_kv_heads, head_dim,
+                                      self.dtype, self.device)
+        return self.graphs.capture() if self.device.type == "cuda" else 0
+
+    def disable_cuda_graphs(self) -> None:
+        """Drop the captured graphs (every step runs eagerly until captured again)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    @staticmethod
+    def _whole(inp: StepInputs) -> bool:
+        """Every flat row's logits, in order (a decode step): no gather needed.
+        NOTE: prompt_logprobs rows come after the sampled ones: a count is not enough."""
+        idx = inp.logits_index
+        return len(idx) == len(inp.input_ids) and np.array_equal(idx, np.arange(len(idx)))
+
+    def stage(self, inp: StepInputs, extra: list[np.ndarray] | None = None,
+              graph_bucket: int | None = None) -> DeviceStep:
         """The step's inputs (and ``extra`` host arrays: the sampler's) on the device, with
-        one host-to-device copy (engine/device_io.py; on the CPU, views of the arrays)."""
-        extra = extra or []
+        one host-to-device copy (engine/device_io.py; on the CPU, views of the arrays).
+        ``graph_bucket``: the step replays that decode graph (its partition rides along)."""
+        extra = list(extra or [])
         logits_index = inp.logits_index
-        whole = len(logits_index) == len(inp.input_ids) and \
-            np.array_equal(logits_index, np.arange(len(logits_index)))
-        # NOTE: skip the gather only when the rows are all of them, in order (a decode step);
-        # prompt_logprobs rows come after the sampled ones, so a count check is not enough.
+        whole = self._whole(inp)
+        max_seq_len = int(inp.seq_lens.max()) if len(inp.seq_lens) else 0
+        if graph_bucket is not None:
+            assert self.graphs is not None
+            extra.append(self.graphs.partition_for(graph_bucket, max_seq_len))
         arrays = [inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
                   inp.cu_seqlens_q, inp.seq_lens, *([] if whole else [logits_index]), *extra]
         dev = self.staging.stage(arrays)
         meta = AttentionMetadata(
             slot_mapping=dev[2], block_tables=dev[3], cu_seqlens_q=dev[4], seq_lens=dev[5],
-            max_query_len=inp.max_query_len,
-            max_seq_len=int(inp.seq_lens.max()) if len(inp.seq_lens) else 0,
-            cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens, padded=False)
-        return DeviceStep(dev[0], dev[1], meta, None if whole else dev[6],
-                          dev[6 if whole else 7:])
+            max_query_len=inp.max_query_len, max_seq_len=max_seq_len,
+            cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens, padded=False,
+            no_cached_prefix=bool(np.array_equal(np.diff(inp.cu_seqlens_q), inp.seq_lens)))
+        rest = dev[6 if whole else 7:]
+        if graph_bucket is not None:
+            return DeviceStep(dev[0], dev[1], meta, None, rest[:-1], graph_bucket, rest[-1])
+        return DeviceStep(dev[0], dev[1], meta, None if whole else dev[6], rest)
 
     def run_model(self, inp: StepInputs, spans: list[tuple[int, torch.Tensor]],
                   marks: list[float], dev: DeviceStep | None = None) -> torch.Tensor | None:
@@ -191,6 +223,13 @@ class ModelRunner:
         NOTE: nothing here reads a device value back: sizes come from ``inp`` (the host)."""
         if dev is None:
             dev = self.stage(inp)
+        if dev.graph_bucket is not None:  # a decode step: replay its captured graph
+            assert self.graphs is not None and not spans
+            marks.append(time.perf_counter())
+            logits = self.graphs.replay(dev.input_ids, dev.positions, dev.meta,
+                                        dev.graph_partition, dev.graph_bucket)
+            marks += [time.perf_counter()] * 2
+            return logits
         embeds = self.model.embed_tokens(dev.input_ids)
         # the model contract: payload rows -> embedding rows (+ whatever else the model
         # consumes at those rows, e.g. DeepStack features, passed on to forward)
@@ -236,8 +275,11 @@ class ModelRunner:
         extra = list(host.arrays) if host is not None else []
         if grammar is not None:
             extra += [grammar[0].numpy(), np.array(grammar[1], dtype=np.int64)]
-        dev = self.stage(inp, extra)
-        logits = self.run_model(inp, self.vision_spans(inp, num_scheduled), marks, dev)
+        spans = self.vision_spans(inp, num_scheduled)
+        bucket = None if self.graphs is None or spans or inp.prompt_rows else \
+            self.graphs.bucket(len(inp.input_ids), inp.max_query_len, self._whole(inp))
+        dev = self.stage(inp, extra, bucket)
+        logits = self.run_model(inp, spans, marks, dev)
         result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
         if isinstance(logits, GreedyIds):  # (the CPU's packed head: ids already on the host)
             ids = self.fetch.fetch([logits.ids])[0].tolist()

@@ -15,6 +15,7 @@ here (``engine/loaded_model.py``), so ``engine/`` stands below ``parallel/``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -22,12 +23,14 @@ import torch
 from triptych.config import EngineConfig, parse_size
 from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.encoder_runner import EncoderRunner
+from triptych.engine.cuda_graphs import GraphPlan, graph_plan
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.loaded_model import LoadedModel
 from triptych.engine.memory import (
     encode_share,
     gib,
     kv_blocks_from_share,
+    release_device_memory,
     share_flag,
     start_snapshot,
 )
@@ -173,9 +176,14 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
         "num_kv_heads": local_kv_heads(m.shape.num_kv_heads, tp)}
     runner = ModelRunner(m.model, m.encoder, **kw) if group is None else TPModelRunner(
         group, m.model, m.encoder, num_kv_heads_total=m.shape.num_kv_heads, **kw)
+    graphs = graph_plan(config, m.device, m.model, backend, tp)
+    if m.device.type == "cuda" and not graphs.enabled:
+        logger.info("decode steps run eagerly: %s", graphs.reason)
     if profile:
         assert meter is not None, "a profile run measures CUDA memory"
-        num_blocks = _size_by_profile(config, m, runner, group, meter, pool)
+        num_blocks = _size_by_profile(config, m, runner, group, meter, pool, graphs)
+    if graphs.enabled:  # over the real cache (the trial capture of the sizing was freed)
+        runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)
     return runner, num_blocks
 
 
@@ -187,7 +195,8 @@ def _profile_image(config: EngineConfig, m: LoadedModel) -> MMItem | None:
 
 
 def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
-                     group: TPGroup | None, meter: ProfileMeter, pool: str) -> int:
+                     group: TPGroup | None, meter: ProfileMeter, pool: str,
+                     graphs: GraphPlan | None = None) -> int:
     """One step at the limits on the small cache, then the real cache from the share: the
     KV blocks of this worker (the smallest any rank's share holds, in a group)."""
     from triptych.models.tp_plan import local_kv_heads
@@ -196,6 +205,12 @@ def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
     meter.begin()
     run_profile(runner, step)
     usage = meter.usage(parse_size(config.encoder_cache_size))
+    if graphs is not None and graphs.enabled:  # a trial capture on the small cache: what
+        # the graphs will hold comes out of the share, then they are freed again
+        held = runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)
+        runner.disable_cuda_graphs()
+        release_device_memory()
+        usage = dataclasses.replace(usage, cuda_graphs=held)
     flag = share_flag(config, pool)
     requested = int(meter.start.total * config.gpu_memory_utilization)
     per_block = kv_block_bytes(m.shape, config.block_size, m.dtype,
