@@ -80,8 +80,8 @@ class Sampler:
         others (they share the sampler's)."""
         if params.seed is None:
             return None
-        gen = self._generators.get(request_id)
-        if gen is None or gen.device != device:
+        gen = self._generators.get(request_id)  # (one sampler serves one device)
+        if gen is None:
             gen = self._generators[request_id] = torch.Generator(device).manual_seed(params.seed)
         return gen
 
