@@ -21,7 +21,7 @@ Then DIR/summary.json and DIR/summary.md, a table for docs/performance.md.
 | ocr     | 64 requests x one 448 px image x 128 tokens, against HF generate (batch 16) on the device |
 | ttft    | time to first token of one 448 px image chat, against HF generate |
 | attn    | attention kernels' speed at the served shapes: decode % of copy bandwidth (bench/kernels.py) |
-| cudatests | the repo's CUDA-only tests (files that skip without a GPU) under pytest |
+| cudatests | the repo's GPU tests (those that skip without CUDA) under pytest (bench/cuda_tests.py) |
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ STEPS: dict[str, tuple[str, int]] = {
     "kernels": ("gpu_steps", 75), "parity": ("gpu_steps", 100), "engines": ("gpu_steps", 45),
     "pools": ("gpu_steps", 120), "model": ("gpu_speed", 60), "floor": ("gpu_speed", 40),
     "syncs": ("gpu_speed", 50), "decode": ("gpu_speed", 60), "ocr": ("gpu_speed", 120),
-    "ttft": ("gpu_speed", 45), "attn": ("gpu_steps", 45), "cudatests": ("gpu_steps", 120)}
+    "ttft": ("gpu_speed", 45), "attn": ("gpu_steps", 45), "cudatests": ("cuda_tests", 120)}
 MIN_STEP_S = 15  # a step is skipped when less than this is left of the budget
 # what the GPU machine may lack (../shared/gpu/wheels.sh downloads them): import name -> pip name
 NEEDS = {"torch": "torch", "triton": "triton", "transformers": "transformers",
@@ -161,6 +161,7 @@ def _run_step(name: str, out: Path, smoke: bool, limit: float) -> dict[str, Any]
     ``limit``; its JSON completed with the time taken and how it ended."""
     cmd = [sys.executable, "-m", "triptych.bench.gpu_check", "--out", str(out), "--step", name]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["TRIPTYCH_STEP_LIMIT"] = f"{limit:.0f}"  # what a step may spend (Ctx.limit)
     if smoke:
         cmd.append("--cpu-smoke")
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
@@ -178,8 +179,11 @@ def _run_step(name: str, out: Path, smoke: bool, limit: float) -> dict[str, Any]
             rc: int | None = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             rc = None
-            os.killpg(proc.pid, signal.SIGKILL)  # the step and what it started (pool workers)
-            proc.wait()
+        try:  # the step and whatever it started and left (pool workers): gone before the next
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     res = json.loads(path.read_text()) if path.exists() else {"step": name}
     res["seconds"] = time.monotonic() - t0
     if rc is None:
@@ -208,6 +212,7 @@ class Ctx:
     def __init__(self, name: str, out: Path, smoke: bool) -> None:
         self.name, self.out, self.smoke = name, out, smoke
         self.device = "cpu" if smoke else "cuda"
+        self.limit = float(os.environ.get("TRIPTYCH_STEP_LIMIT", "600"))  # seconds it may run
         self.res: dict[str, Any] = {"step": name, "ok": None, "smoke": smoke}
 
     def save(self, **fields: Any) -> None:

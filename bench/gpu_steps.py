@@ -123,35 +123,6 @@ def step_attn(ctx: Any) -> None:
              + "; vs torch: " + ", ".join(f"{k} {v:.2f}x" for k, v in vs.items()))
 
 
-def step_cudatests(ctx: Any) -> None:
-    """The repo's CUDA-only tests (the files that skip without a GPU), under pytest, with
-    the compiled kernels (TRITON_INTERPRET=0: conftest would turn the interpreter on)."""
-    import os
-    import subprocess
-    import sys
-    import xml.etree.ElementTree as ET
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]  # the repository root is the package
-    files = sorted(str(p) for p in (root / "tests").glob("test_*.py")
-                   if "cuda.is_available()" in p.read_text())
-    xml = ctx.out / "cudatests.xml"
-    env = dict(os.environ, TRITON_INTERPRET="1" if ctx.smoke else "0")
-    subprocess.run([sys.executable, "-m", "pytest", *files, "-n", "0", "-q", "-rfEs",
-                    "-p", "no:cacheprovider", f"--junitxml={xml}"], cwd=root, env=env,
-                   check=False)
-    suite = ET.parse(xml).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{c.get('name')}" for c in suite.iter("testcase")
-              if c.find("failure") is not None or c.find("error") is not None]
-    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
-    ctx.save(ok=not failed, files=[Path(f).name for f in files], **n, failed=failed,
-             summary=f"{passed} passed, {n['skipped']} skipped, {len(failed)} failed of "
-                     f"{n['tests']} in {', '.join(Path(f).name for f in files)}"
-                     + (f": {', '.join(failed[:6])}" if failed else ""))
-
-
 def step_parity(ctx: Any) -> None:
     from triptych.llm import LLM
     from triptych.models.demo import tiny_checkpoint
