@@ -3,17 +3,20 @@ decode attention fused in C++ (``cpu``, the CPU default, built on first use).
 
 ``get_ops(backend)`` returns a namespace with the same functions for every backend:
 reshape_and_cache, paged_decode_attention, paged_prefill_attention, varlen_attention,
-rms_norm, apply_mrope, silu_and_mul (signatures in ``torch_ref``). ``cpu`` is ``torch``
-with ``paged_decode_attention`` from ``cpu_paged_attention`` and, when it builds,
-``rms_norm``, ``apply_mrope``, ``reshape_and_cache`` and ``silu_and_mul`` from
-``cpu_fused_ops``.
+rms_norm, apply_mrope, silu_and_mul (signatures in ``torch_ref``), plus
+varlen_causal_attention (prefill without a cached prefix on the step's fresh q/k/v; None:
+the paged prefill serves it) and grouped_mm_for (the MoE experts' sync-free grouped GEMM,
+or None). ``cpu`` is ``torch`` with ``paged_decode_attention`` from
+``cpu_paged_attention`` and, when it builds, ``rms_norm``, ``apply_mrope``,
+``reshape_and_cache`` and ``silu_and_mul`` from ``cpu_fused_ops``. Which kernel each phase
+runs is ``choice``'s decision, logged once per process.
 """
 from __future__ import annotations
 
 import os
 from types import SimpleNamespace
 
-from triptych.kernels import torch_ref
+from triptych.kernels import choice, torch_ref
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -69,15 +72,19 @@ def get_ops(backend: str) -> SimpleNamespace:
 
         if cpu_fused_ops.enabled():  # residual + norm, M-RoPE, cache write, SwiGLU: one op each
             mod = cpu_fused_ops
+    choice.log_once(backend)
+    fresh = backend == "triton"  # the torch / cpu backends keep the CPU's kernels as they are
     return SimpleNamespace(
         reshape_and_cache=mod.reshape_and_cache,
         paged_decode_attention=decode,
         paged_prefill_attention=torch_ref.paged_prefill_attention if backend == "cpu"
         else mod.paged_prefill_attention,
-        varlen_attention=torch_ref.varlen_attention if backend == "cpu" else mod.varlen_attention,
+        varlen_causal_attention=choice.varlen_causal_attention if fresh else None,
+        varlen_attention=choice.varlen_attention if fresh else torch_ref.varlen_attention,
         rms_norm=mod.rms_norm,
         apply_mrope=mod.apply_mrope,
         silu_and_mul=mod.silu_and_mul,
+        grouped_mm_for=choice.grouped_mm_for if fresh else choice.no_grouped_mm,
     )
 
 

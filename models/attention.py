@@ -40,7 +40,14 @@ class PagedAttention(nn.Module):
             extra = {"max_seq_len": meta.max_seq_len} if make is None else {
                 "plan": meta.plan("decode", lambda: make(meta.block_tables, meta.seq_lens, bs,
                                                          meta.max_seq_len))}
+            if meta.decode_splits is not None:  # a CUDA graph's fixed launch (triton)
+                extra.update(num_splits=meta.decode_splits, partition=meta.decode_partition)
             return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **extra)
+        fresh = ops.varlen_causal_attention
+        if fresh is not None and meta.no_cached_prefix:  # (kernels/choice.py: no cache read)
+            runs = meta.plan("runs", lambda: fresh.make_plan(meta.cu_seqlens_q_cpu))
+            return fresh(q, k, v, meta.cu_seqlens_q, self.scale, max_seqlen=meta.max_query_len,
+                         cu_seqlens_cpu=meta.cu_seqlens_q_cpu, plan=runs)
         fn = ops.paged_prefill_attention
         make = getattr(fn, "make_plan", None)
         extra = {"max_query_len": meta.max_query_len} if make is None else {
