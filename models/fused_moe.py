@@ -10,6 +10,12 @@ The work is proportional to the routed tokens: an expert nobody picked costs not
 no Python loop runs per token (the loop is over the experts that have tokens, each one a
 GEMM over its whole slice). The per-token sum runs in ascending expert order, as HF's
 Qwen3-VL-MoE experts add their outputs, so fp32 results match it closely.
+
+The loop reads the per-expert counts back (one device read a layer), so a GPU cannot
+capture it in a CUDA graph. Where the backend offers a grouped GEMM that takes the
+per-expert offsets on the device (``ops.grouped_mm_for``: ``torch._grouped_mm`` in bf16 on
+sm90/sm100, kernels/choice.py), ``grouped_experts`` runs the same pairs in two GEMMs and
+reads nothing back; the torch and cpu backends keep the loop.
 """
 from __future__ import annotations
 
@@ -65,6 +71,31 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
 
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    ids: torch.Tensor, weights: torch.Tensor,
+                    grouped_mm: Callable[..., torch.Tensor],
+                    silu_and_mul: Callable[[torch.Tensor, int], torch.Tensor]
+                    = torch_ref.silu_and_mul) -> torch.Tensor:
+    """``fused_experts`` with no device read: the sorted pairs go through each expert in
+    one grouped GEMM per projection, the per-expert boundaries staying on the device.
+
+        sorted expert ids:  0 0 0 1 3 3       offs (end of each expert's rows): 3 4 4 6
+
+    ``grouped_mm(a [M, K], b [E, K, N], offs [E] int32) -> [M, N]`` (torch._grouped_mm)."""
+    k, num_experts = ids.shape[1], gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // k
+    # NOTE: searchsorted, not bincount: CUDA's bincount reads its input's max back
+    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    offs = torch.searchsorted(flat[order], experts, right=True, out_int32=True)
+    xs = x[token]  # [T*k, H], expert-contiguous
+    gu = grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+    out = grouped_mm(silu_and_mul(gu, down.shape[-1]), down.transpose(1, 2), offs=offs)
+    out = out * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+
+
 class SparseMoeBlock(nn.Module):
     """Parameter names as HF's checkpoints: ``gate.weight`` [E, H] and the stacked
     ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]. ``ops``: the
@@ -80,10 +111,19 @@ class SparseMoeBlock(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
+    @property
+    def reads_back(self) -> bool:
+        """The experts read per-expert counts back each forward (no CUDA graph)."""
+        w = self.experts.down_proj
+        return self.ops.grouped_mm_for(w.dtype, w.device) is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.top_k)
-        return fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
-                             self.ops.silu_and_mul)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gmm = self.ops.grouped_mm_for(x.dtype, x.device)
+        if gmm is not None:
+            return grouped_experts(x, gate_up, down, ids, weights, gmm, self.ops.silu_and_mul)
+        return fused_experts(x, gate_up, down, ids, weights, self.ops.silu_and_mul)
 
 
 class ShardedMoeBlock(SparseMoeBlock):

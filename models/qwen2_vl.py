@@ -178,6 +178,10 @@ class Qwen2VLForCausalLM(nn.Module):
     # Both towers encode any subset of a batch's items alone (attention never crosses an
     # item), so their ranks can split a batch of images (mm_encoder_tp_mode="data").
     supports_encoder_data_parallel = True
+    # A CUDA graph may hold the decode forward: it reads nothing back from the device
+    # (tests/test_host_syncs.py). ``cuda_graph_blocker`` says why not where it is False.
+    supports_cuda_graphs = True
+    cuda_graph_blocker = ""
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attention_backend: str = "torch", tp: TPContext | None = None,

@@ -207,6 +207,25 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         self.register_buffer("rope_axis", interleaved_axes(
             self.mrope_section, self.head_dim // 2).to(device), persistent=False)
 
+    @property
+    def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
+        return not self.cuda_graph_blocker
+
+    @property
+    def cuda_graph_blocker(self) -> str:  # type: ignore[override]
+        """Why a CUDA graph cannot hold the decode forward ("" when it can): MoE experts
+        that read their per-expert counts back (no sync-free grouped GEMM for this dtype
+        and device, models/fused_moe.py)."""
+        lm = getattr(self, "language_model", None)
+        moe = [layer.mlp for layer in lm.layers if isinstance(layer.mlp, SparseMoeBlock)] \
+            if lm is not None else []
+        if not any(block.reads_back for block in moe):
+            return ""
+        w = moe[0].experts.down_proj
+        return (f"the MoE experts read their per-expert token counts back every layer (no "
+                f"sync-free grouped GEMM for {w.dtype} on {w.device}: torch._grouped_mm "
+                "with the triton backend, bf16 on sm90/sm100)")
+
     def merge_vision(self, embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]
                      ) -> dict[str, Any]:
         """Embedding columns over the placeholders; the DeepStack blocks of the same rows
