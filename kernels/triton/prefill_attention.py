@@ -20,9 +20,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triptych.kernels.triton.common import (
-    attend_tile, check_cache, check_tensors, interpreting, pad_dim, require, upcast)
+    attend_tile,
+    check_cache,
+    check_tensors,
+    interpreting,
+    pad_dim,
+    require,
+    upcast,
+)
 
 
 @triton.jit
@@ -104,15 +110,22 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _tiles(q: torch.Tensor, d_pad: int) -> tuple[int, int, int, int]:
+def _tiles(q: torch.Tensor, d_pad: int, max_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: 16x16 (cheap tests). GPU:
     tensor-core tiles sized so sm_90 needs no register spills (checked with the AOT compile,
-    ``cuobjdump --dump-resource-usage``); IEEE fp32 dots need far more registers."""
+    ``cuobjdump --dump-resource-usage``); IEEE fp32 dots need far more registers.
+
+    BLOCK_M shrinks to the longest chunk (16 or 32 rows): since prompts without a cached
+    prefix take torch's kernels (kernels/choice.py), this kernel mostly sees a new turn
+    or a chunk's tail after a long prefix, where a 64-row tile would multiply zeros."""
     if interpreting():
         return 16, 16, 4, 1
+    fit = max(16, triton.next_power_of_2(max(max_len, 1)))
     if q.dtype == torch.float32:
-        return (32, 32, 8, 2) if d_pad <= 128 else (16, 16, 8, 2)
-    return (64, 64, 4, 3) if d_pad <= 128 else (64, 32, 8, 2)
+        m, n, w, s = (32, 32, 8, 2) if d_pad <= 128 else (16, 16, 8, 2)
+    else:
+        m, n, w, s = (64, 64, 4, 3) if d_pad <= 128 else (64, 32, 8, 2)
+    return min(m, fit), n, w, s
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -148,7 +161,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     max_q = max_query_len if max_query_len is not None else \
         int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
+    block_m, block_n, warps, stages = _tiles(q, pad_dim(d), max_q)
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     _prefill_kernel[(h, triton.cdiv(max_q, block_m), b)](
         q, k_cache, v_cache, out, bt, cu_seqlens_q, seq_lens, scale, q.stride(0), q.stride(1),
@@ -184,7 +197,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     max_len = max_seqlen if max_seqlen is not None else \
         int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    block_m, block_n, warps, stages = _tiles(q, pad_dim(d))
+    block_m, block_n, warps, stages = _tiles(q, pad_dim(d), max_len)
     _varlen_kernel[(h, triton.cdiv(max_len, block_m), n_seg)](
         q, k, v, out, cu_seqlens, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         D=d, D_PAD=pad_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast(q),
