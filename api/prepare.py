@@ -11,11 +11,11 @@ from typing import Any
 
 import anyio
 from triptych.api.errors import APIError
+from triptych.api.grammar_check import GrammarChecker
 from triptych.api.media.decode import MediaError, PixelBudget
 from triptych.api.media.prefetch import MediaFetcher
 from triptych.api.openai_format import PromptInfo
 from triptych.api.processor import InputProcessor
-from triptych.router.prompt import ProcessedPrompt
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import (
     ServerLimits,
@@ -27,10 +27,10 @@ from triptych.api.request_checks import (
 )
 from triptych.api.sampling_checks import context_error
 from triptych.api.serving import Admission, Job, Slots
-from triptych.api.tenancy import cache_scope
 from triptych.api.structured import check_structured
+from triptych.api.tenancy import cache_scope
 from triptych.api.truncation import keep_count, truncate
-from triptych.engine.grammar_compiler import GrammarCompiler
+from triptych.router.prompt import ProcessedPrompt
 
 
 def _text(content: Any) -> str:
@@ -53,7 +53,9 @@ class InputStage:
         self.fetcher, self.alive = fetcher, alive
         self.num_mm_items = 0  # images/videos processed (the processor cache's queries)
         tok = processor.tokenizer  # structured output: P0's compile check (api/structured.py)
-        self.grammars = GrammarCompiler(tok, limits.vocab_size, tok.eos_token_id)
+        self.grammars = GrammarChecker(tok, limits.vocab_size, tok.eos_token_id,
+                                       limits.grammar_compile_procs,
+                                       limits.grammar_compile_timeout_s)
 
     def _admit(self, k: int) -> Slots:
         if not self.alive():
@@ -94,7 +96,7 @@ class InputStage:
         scopes the request's uuids and prefix cache (api/tenancy.py)."""
         check_chat(body, self.limits)
         scope = cache_scope(tenant, body.cache_salt)
-        await check_structured(body, self.grammars)
+        await check_structured(body, self.grammars, tenant, self.limits.max_structured_depth)
         messages = body.message_dicts()
         media = media_limits(body, self.limits.media)
         media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
@@ -128,7 +130,7 @@ class InputStage:
         """As ``chat``."""
         check_completion(body, self.limits)
         scope = cache_scope(tenant, body.cache_salt)
-        await check_structured(body, self.grammars)
+        await check_structured(body, self.grammars, tenant, self.limits.max_structured_depth)
         prompts = body.prompts()
         view = self.processor.for_request(None, body.truncate_prompt_tokens is None, scope)
         decode = self.processor.tokenizer.decode

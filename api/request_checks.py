@@ -43,6 +43,9 @@ class ServerLimits:
     max_prompts: int = 256  # prompts in one /v1/completions request (= --max-pending-requests)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
     media: MediaLimits = field(default_factory=MediaLimits)
+    max_structured_depth: int = 64  # --max-structured-depth: JSON nesting of a schema
+    grammar_compile_timeout_s: float = 10.0  # --grammar-compile-timeout
+    grammar_compile_procs: int = 2  # --grammar-compile-procs
 
     @property
     def prompt_chars(self) -> int:

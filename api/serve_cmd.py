@@ -81,6 +81,15 @@ def add_parser(subparsers: Any) -> None:
                           "tokenization (0: 20 x max_model_len)")
     lim.add_argument("--max-n", type=int, default=16,
                      help="most completions per prompt (n, best_of)")
+    g = p.add_argument_group("structured output (P0's compile check)")
+    g.add_argument("--max-structured-depth", type=int, default=64,
+                   help="deepest JSON nesting of a schema or structural tag; deeper is a 400")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds one compile may take (time queued not counted); its "
+                        "process is killed and the request gets a 400")
+    g.add_argument("--grammar-compile-procs", type=int, default=2,
+                   help="compile processes (~270 MB each, started on first use); a tenant "
+                        "runs at most all but one of them at once")
     m = p.add_argument_group("media")
     m.add_argument("--allowed-media-domains", "--allowed-domains", dest="allowed_media_domains",
                    default=None,
@@ -149,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
                  "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
-                 "media_dns_per_domain"):
+                 "media_dns_per_domain", "max_structured_depth", "grammar_compile_procs"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if not args.request_body_timeout > 0 or args.request_body_min_rate < 0 or \
@@ -157,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0 and "
              "--max-body-share in (0, 1]")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0 or \
-            not args.max_video_decode_seconds > 0:
-        fail("--max-prompt-chars must be >= 0, --media-fetch-timeout and "
-             "--max-video-decode-seconds > 0")
+            not args.max_video_decode_seconds > 0 or not args.grammar_compile_timeout > 0:
+        fail("--max-prompt-chars must be >= 0, --media-fetch-timeout, "
+             "--max-video-decode-seconds and --grammar-compile-timeout > 0")
     if 0 < args.max_inflight_body_bytes < args.max_request_bytes or \
             args.max_inflight_body_bytes < 0:
         fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
@@ -265,7 +274,10 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     checks = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size,
                           max_n=limits.max_n, max_prompt_chars=limits.max_prompt_chars,
                           max_prompts=max_pending,
-                          limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media)
+                          limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media,
+                          max_structured_depth=limits.max_structured_depth,
+                          grammar_compile_timeout_s=limits.grammar_compile_timeout,
+                          grammar_compile_procs=limits.grammar_compile_procs)
     cache_info = {"block_size": str(config.block_size),
                   "enable_prefix_caching": str(config.enable_prefix_caching),
                   "num_gpu_blocks_override": str(config.num_kv_blocks),

@@ -11,17 +11,20 @@
     guided_json / guided_regex / guided_choice / guided_grammar       (vLLM, older)
 
 At most one of these per request; a refusal is a 400 naming the field and the reason (an
-invalid schema, regex or grammar as the compiler words it, or a compile over the bound).
+invalid schema, regex or grammar as the compiler words it, a schema nested deeper than
+``--max-structured-depth``, a grammar that matches nothing, or a compile over
+``--grammar-compile-timeout``). The compile runs in P0's compile processes
+(api/grammar_check.py), each tenant within its share of them.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-import anyio
 import msgspec
-from triptych.api.errors import bad_request
-from triptych.engine.grammar_compiler import GrammarCompiler
+from triptych.api.errors import APIError, bad_request
+from triptych.api.grammar_check import CheckerDown, CompileBusy, GrammarChecker
 from triptych.engine.structured_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -51,8 +54,10 @@ def _from_response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
                                          "text, json_object, json_schema, structural_tag")
 
 
-def structured_outputs(body: Any) -> StructuredOutputsParams | None:
-    """The request's output constraint, or None. Raises APIError (400) on a bad one."""
+def structured_outputs(body: Any, max_depth: int | None = None
+                       ) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None. Raises APIError (400) on a bad one (one
+    nested deeper than ``max_depth`` included)."""
     given: list[tuple[str, dict[str, Any]]] = []
     rf = getattr(body, "response_format", None)
     if _set(rf):
@@ -74,24 +79,51 @@ def structured_outputs(body: Any) -> StructuredOutputsParams | None:
         raise bad_request(given[1][0], "give one output constraint; this request has "
                                        f"{', '.join(n for n, _ in given)}")
     param, fields = given[0]
+    if max_depth is not None:
+        for name in ("json", "structural_tag"):  # (before parsing: a parser recurses)
+            v = fields.get(name)
+            depth = json_depth(v if isinstance(v, str) else json.dumps(v)) if v else 0
+            if depth > max_depth:
+                raise bad_request(param, f"{param}: the {name} constraint nests {depth} "
+                                         f"levels deep; the limit is {max_depth} "
+                                         "(--max-structured-depth)")
     try:
         return msgspec.convert(fields, StructuredOutputsParams)
-    except (msgspec.ValidationError, ValueError) as e:
+    except (msgspec.ValidationError, ValueError, RecursionError) as e:
         raise bad_request(param, f"{param}: {e}") from None
 
 
-async def check_structured(body: Any, compiler: GrammarCompiler
-                           ) -> StructuredOutputsParams | None:
-    """Parse and compile the request's constraint (off the event loop, time-bounded): a bad
-    schema / regex / grammar is refused here, before media is fetched or text tokenized."""
-    spec = structured_outputs(body)
+async def check_structured(body: Any, checker: GrammarChecker, tenant: str | None,
+                           max_depth: int) -> StructuredOutputsParams | None:
+    """Parse and compile the request's constraint (in a compile process, time-bounded, in
+    the tenant's share): a bad schema / regex / grammar is refused here, before media is
+    fetched or text tokenized."""
+    spec = structured_outputs(body, max_depth)
     if spec is None:
         return None
     try:
-        await anyio.to_thread.run_sync(lambda: compiler.compile(spec))
+        await checker.check(spec, tenant)
     except ValueError as e:
         raise bad_request(_param(body), str(e)) from None
+    except CompileBusy:
+        raise APIError(429, "too many structured-output compiles of yours are waiting; "
+                            "retry shortly", "rate_limit_error", _param(body),
+                       {"Retry-After": "1"}) from None
+    except CheckerDown as e:
+        raise APIError(503, str(e), "server_error") from None
     return spec
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str) -> int:
+    """How deep ``text`` (JSON) nests objects and arrays, counted without parsing it."""
+    depth = deepest = 0
+    for ch in re.findall(r"[\[\]{}]", _STRING.sub("", text)):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _param(body: Any) -> str:
@@ -101,4 +133,4 @@ def _param(body: Any) -> str:
     return "structured_outputs"
 
 
-__all__ = ["check_structured", "structured_outputs"]
+__all__ = ["check_structured", "json_depth", "structured_outputs"]

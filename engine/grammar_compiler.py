@@ -89,35 +89,40 @@ class GrammarCompiler:
                              "compile; use a smaller schema or grammar") from None
 
     def _compile(self, key: tuple[str, str, bool, bool]) -> Any:
-        kind, text, any_ws, extra_props = key
-        comp = self._compiler()
-        try:
-            if kind == "json":
-                return comp.compile_json_schema(text, any_whitespace=any_ws,
-                                                strict_mode=not extra_props,
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
-            if kind == "json_object":
-                return comp.compile_json_schema('{"type": "object"}', any_whitespace=any_ws,
-                                                strict_mode=False,
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
-            if kind == "regex":
-                return comp.compile_regex(text)
-            if kind == "choice":
-                alts = " | ".join(json.dumps(c) for c in json.loads(text))
-                return comp.compile_grammar(f"root ::= {alts}")
-            if kind == "grammar":
-                return comp.compile_grammar(text)
-            return comp.compile_structural_tag(*_structural_tag_args(text))
-        except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError, ValueError,
-            # InvalidJSONError...: each one is the spec's fault and names it)
-            # (xgrammar's C++ checks prefix "[time] file:line: Check failed: (...) is false:")
-            msg = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "",
-                         " ".join(str(e).strip().splitlines()))
-            raise ValueError(f"invalid {kind} constraint: "
-                             f"{msg[:500] or type(e).__name__}") from None
+        return compile_key(self._compiler(), key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_key(comp: Any, key: tuple[str, str, bool, bool]) -> Any:
+    """``key`` (StructuredOutputsParams.key) compiled by ``comp`` (an
+    xgrammar.GrammarCompiler). Raises ValueError naming the problem in the spec."""
+    kind, text, any_ws, extra_props = key
+    try:
+        if kind == "json":
+            return comp.compile_json_schema(text, any_whitespace=any_ws,
+                                            strict_mode=not extra_props,
+                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind == "json_object":
+            return comp.compile_json_schema('{"type": "object"}', any_whitespace=any_ws,
+                                            strict_mode=False,
+                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind == "regex":
+            return comp.compile_regex(text)
+        if kind == "choice":
+            alts = " | ".join(json.dumps(c) for c in json.loads(text))
+            return comp.compile_grammar(f"root ::= {alts}")
+        if kind == "grammar":
+            return comp.compile_grammar(text)
+        return comp.compile_structural_tag(*_structural_tag_args(text))
+    except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError, ValueError,
+        # InvalidJSONError...: each one is the spec's fault and names it)
+        # (xgrammar's C++ checks prefix "[time] file:line: Check failed: (...) is false:")
+        msg = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "",
+                     " ".join(str(e).strip().splitlines()))
+        raise ValueError(f"invalid {kind} constraint: "
+                         f"{msg[:500] or type(e).__name__}") from None
 
 
 def _structural_tag_args(text: str) -> tuple:
