@@ -44,9 +44,11 @@ def dense(q, k, v, lens, scale, causal):
 
 
 def batch(lens, h, hkv, d, dtype, device="cpu", seed=0):
+    """q/k/v as strided views of one fused projection, as the models pass them."""
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
-    q, k, v = (torch.randn(t, n, d, generator=g).to(dtype).to(device) for n in (h, hkv, hkv))
+    qkv = torch.randn(t, h + 2 * hkv, d, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([h, hkv, hkv], dim=1)
     cu = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
     return q, k, v, cu, torch.from_numpy(cu).to(device)
 
