@@ -198,6 +198,10 @@ class EngineCore:
                              len(sched.scheduled))
             self.num_failed_steps += 1
             sched, sampled, logprobs, failed = self._isolate(sched)
+        # a grammar that allowed no token: the token sampled without it is not the request's
+        no_way_on = self.runner.batch.grammars.take_dead()
+        dead = [r for r, _ in sched.scheduled
+                if r.request_id in no_way_on and sampled.pop(r.request_id, None) is not None]
         produced = self.scheduler.update_from_output(sched, sampled)
         self.generation_tokens_total += len(produced)
         self.timings.on_step_outputs(produced)
@@ -207,6 +211,11 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
                                          error="internal error while computing this request"))
+        for req in dead:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=(
+                "the output constraint allows no further token: its grammar cannot be "
+                "completed from here")))
         for out in outs:
             if out.finish_reason is not None:
                 self.runner.sampler.forget(out.request_id)

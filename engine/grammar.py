@@ -35,6 +35,7 @@ class GrammarState:
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self.dead: set[str] = set()  # requests whose grammar allowed no token (take_dead)
         self.num_masked_steps = 0
         self.mask_seconds = 0.0  # time in fill + apply (bench/grammar.py reads it)
 
@@ -98,9 +99,28 @@ class GrammarState:
         if self._filler is None:  # fills the rows on the worker's torch threads
             self._filler = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
         self._filler.batch_fill_next_token_bitmask([m for _, m in rows], bitmask, idx)
+        # NOTE: a row that allows no token (a grammar with no way on from here) would
+        # turn its logits into all -inf and the sampler's probabilities into NaN, failing
+        # the step for the whole batch: the row is left unconstrained instead, and its
+        # request is reported to the engine core (``take_dead``), which ends it
+        empty = (bitmask[idx] == 0).all(dim=1).tolist()
+        if any(empty):
+            for i, e in zip(idx, empty):
+                if e:
+                    logger.warning("request %s: its grammar allows no next token; it is "
+                                   "ended", request_ids[i])
+                    self.dead.add(request_ids[i])
+                    del self._matchers[request_ids[i]]
+            idx = [i for i, e in zip(idx, empty) if not e]
         self.num_masked_steps += 1
         self.mask_seconds += time.perf_counter() - t0
-        return bitmask, idx
+        return (bitmask, idx) if idx else None
+
+    def take_dead(self) -> set[str]:
+        """The requests whose grammar allowed no token since the last call (their rows
+        were sampled unconstrained: the engine core drops that token and ends them)."""
+        dead, self.dead = self.dead, set()
+        return dead
 
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
         """Mask the logits of the grammar rows (``fill`` + ``apply_bitmask``) and return

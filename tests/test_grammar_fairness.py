@@ -121,3 +121,7 @@ def test_depth_limit_and_empty_grammar_are_400s_naming_the_problem(server):
     assert "matches no output" in e.value.response.json()["error"]["message"]
     assert bob.chat.completions.create(model="tiny", messages=HI, max_tokens=4, extra_body={
         "structured_outputs": {"grammar": 'root ::= "a" root | "b"'}}).choices
+    # one that starts (P0 passes it) and has no way on: the worker ends it alone
+    r = bob.chat.completions.create(model="tiny", messages=HI, max_tokens=4, extra_body={
+        "structured_outputs": {"grammar": 'root ::= "a" b\nb ::= b'}})
+    assert r.choices[0].finish_reason == "error" and r.choices[0].message.content == "a"
