@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.kernels.cpu.linear import linear
 
 if TYPE_CHECKING:  # the type only: models stand below parallel/
     from triptych.parallel.context import TPContext
@@ -110,7 +109,10 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, in / size] -> [N, out]
-        y = self.ctx.all_reduce(linear(self, x))  # packed on CPU (kernels/cpu/linear.py)
+        # the bare GEMM: packed when a CPU engine packed this layer (kernels/cpu/linear.py
+        # sets ``cpu_gemm``), else torch's
+        gemm = getattr(self, "cpu_gemm", None)
+        y = self.ctx.all_reduce(F.linear(x, self.weight) if gemm is None else gemm(x))
         return y if self.bias is None else y + self.bias
 
     def shards(self, prefix: str) -> dict[str, list[Shard]]:

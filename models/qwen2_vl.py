@@ -258,7 +258,7 @@ class Qwen2VLForCausalLM(nn.Module):
         gathers the slices)."""
         w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
              else self.lm_head.weight)
-        if self.pack_head and hidden.device.type == "cpu":
+        if self.pack_head:  # (set only for a CPU engine's packed weights: engine/platform.py)
             # The head is the widest GEMM of a decode step (vocab ~152k): a packed copy of
             # the frozen weight (kernels/cpu/linear.py; the embedding keeps its own).
             if self._head_gemm is None:
@@ -272,7 +272,7 @@ class Qwen2VLForCausalLM(nn.Module):
         """argmax of ``compute_logits(hidden)`` per row, [N] int64, without making the
         logits, where the packed head can (CPU fp32 panels); else None (the runner then
         asks for the logits)."""
-        if not (self.pack_head and hidden.device.type == "cpu"):
+        if not self.pack_head:
             return None
         if self._head_gemm is None:
             self.compute_logits(hidden[:1])  # packs the head once

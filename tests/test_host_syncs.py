@@ -127,3 +127,25 @@ def test_staging_and_fetch_pack_arrays_into_one_buffer():
     got = fetch.fetch([ids, top, top.argsort(-1)])
     assert np.array_equal(got[0], ids.numpy()) and np.array_equal(got[1], top.numpy())
     assert np.array_equal(got[2], top.argsort(-1).numpy())
+
+
+def test_a_gpu_engine_never_imports_the_cpu_kernels():
+    """The device seam (engine/platform.py): every module a CUDA engine runs (the API, the
+    router, the pools, the loader, every model) imports nothing from kernels/cpu/ (packed
+    weights, the panel GEMM and its argmax, the GEMV, the fused ops and their C++ builds);
+    only a CPU engine's choices reach them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import triptych.llm, triptych.api.server, triptych.parallel.loader\n"
+        "import triptych.encode.worker, triptych.prefill.worker, triptych.decode.worker\n"
+        "import triptych.models.qwen2_vl, triptych.models.qwen3_vl, triptych.models.internvl\n"
+        "from triptych.engine.platform import sampler_argmax\n"
+        "import torch\n"
+        "assert sampler_argmax(torch.device('cuda')).__name__ == 'torch_argmax'\n"
+        "print(sorted(m for m in sys.modules if m.startswith('triptych.kernels.cpu')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]", out
