@@ -94,7 +94,8 @@ def test_deep_schemas_of_one_tenant_do_not_fail_anothers_json_object(server):
         assert out.choices[0].finish_reason in ("stop", "length")
         for a in attacks:
             assert "--grammar-compile-timeout" in a.result(timeout=600)
-    assert done.index("bob") < done.index("alice-2"), done  # bob did not queue behind alice
+    # bob did not queue behind alice: her compiles end one at a time, two s apart at least
+    assert done.index("bob") < 2, done
     assert not [p for p in busy if alive(p)], "a timed-out compile's process lives on"
 
 
