@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -314,4 +315,9 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str,
                                                log_level="info", timeout_graceful_shutdown=2,
                                                limit_concurrency=args.limit_concurrency))
         logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
+        # NOTE: as vLLM's server does: what start-up made (tokenizer, processor, modules)
+        # lives as long as the server, so full collections need not walk it again; under
+        # load they otherwise stalled this loop ~0.75 s each (measured).
+        gc.collect()
+        gc.freeze()
         await server.serve()

@@ -205,14 +205,11 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
                                 length_penalty=body.length_penalty,
                                 early_stopping=body.early_stopping)
         gen = Generation(engine, rid, jobs, slots)
-        await gen.start()
         responder = Responder(gen, Formatter(processor.tokenizer, shape, rid, int(time.time())),
                               metrics, raw, body.n)
-        if body.stream:
-            so = body.stream_options
-            return responder.stream(bool(so and so.include_usage),
-                                    bool(so and so.continuous_usage_stats))
-        return await responder.whole()
+        so = body.stream_options
+        return await responder.respond(bool(body.stream), bool(so and so.include_usage),
+                                       bool(so and so.continuous_usage_stats))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:

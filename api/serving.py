@@ -5,13 +5,15 @@
 
 A refusal by the engine before any output becomes a 400 (503 if the engine is gone); a
 failure later ends the stream with an error event. A client that goes away (stream or
-not) has its requests aborted in the engine. Admission slots are released when each
-engine request's stream ends, whatever the HTTP side did.
+not, before its first token or after) has its requests aborted in the engine as soon as
+its connection closes: one task per HTTP request waits on the connection (``_watch``), not
+a poll between deltas, so a request still queued in the engine (no delta yet) is freed
+too. Admission slots are released when each engine request's stream ends, whatever the
+HTTP side did.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +32,6 @@ from triptych.worker import wire
 from triptych.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("triptych.api")
-DISCONNECT_CHECK_S = 0.5  # how often a waiting request looks for a gone client
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Generation:
             self._q.put_nowait((i, e))
 
     async def start(self) -> None:
-        """Submit every job; return once each has its first output (raise if refused)."""
+        """Submit every job; return once each has its first output (raise if refused,
+        ``ClientGone`` if the client left first)."""
         for i, job in enumerate(self.jobs):
             rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{i}"
             stream = self.client.submit(rid, job.prompt, job.params)
@@ -96,21 +98,30 @@ class Generation:
             task.add_done_callback(lambda _: self.slots.release())
             self._tasks.append(task)
         seen: set[int] = set()
-        while len(seen) < len(self.jobs):
-            i, item = await self._q.get()
-            if isinstance(item, Exception):
-                await self.aclose()
-                raise _refusal(item)
-            seen.add(i)
-            self._buffer.append((i, item))
+        try:
+            while len(seen) < len(self.jobs):
+                i, item = await self._q.get()
+                if isinstance(item, ClientGone):
+                    raise item
+                if isinstance(item, Exception):
+                    raise _refusal(item)
+                seen.add(i)
+                self._buffer.append((i, item))
+        except BaseException:
+            await self.aclose()
+            raise
 
-    async def next(self, timeout: float) -> tuple[int, Any] | None:
-        """The next (job index, delta or error); None when nothing came within timeout."""
+    async def next(self) -> tuple[int, Any]:
+        """The next (job index, delta or error); (-1, ClientGone) once the client left."""
         if self._buffer:
             return self._buffer.pop(0)
-        with contextlib.suppress(asyncio.TimeoutError):
-            return await asyncio.wait_for(self._q.get(), timeout)
-        return None
+        return await self._q.get()
+
+    async def client_gone(self) -> None:
+        """The client closed its connection: abort every engine request now, and have the
+        reader (``start`` or the responder) stop at its next item."""
+        self._q.put_nowait((-1, ClientGone()))
+        await self.aclose()
 
     async def aclose(self) -> None:
         """Abort what is still running (shielded: a disconnect cancels our caller)."""
@@ -126,13 +137,38 @@ class Responder:
     def __init__(self, gen: Generation, fmt: Formatter, metrics: Metrics, raw: Request,
                  n: int) -> None:
         self.gen, self.fmt, self.metrics, self.raw, self.n = gen, fmt, metrics, raw, n
-        now = time.monotonic()
+        now = time.monotonic()  # arrival: time to first token counts the engine's queue
         self.times = [RequestTimes(now, n) for _ in gen.jobs]
         self.infos = [job.info for job in gen.jobs]
         self._seen: set[int] = set()
         self.num_tokens = 0
-        for job in gen.jobs:
-            metrics.request_submitted(n, job.params.max_tokens, job.params.max_tokens or 0)
+
+    async def respond(self, stream: bool, include_usage: bool = False,
+                      continuous_usage: bool = False) -> Response:
+        """Submit, then answer with one JSON body or an SSE stream. The connection is
+        watched from here on: a client that leaves while its request still waits for a
+        first token has it aborted as well."""
+        watch = asyncio.ensure_future(_watch(self.raw, self.gen))
+        try:
+            await self.gen.start()
+        except ClientGone:
+            watch.cancel()
+            self._submitted()
+            self._end_unfinished("abort")
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            watch.cancel()
+            raise
+        self._submitted()
+        if stream:
+            return StreamingResponse(self._sse(include_usage, continuous_usage, watch),
+                                     media_type="text/event-stream")
+        return await self._whole(watch)
+
+    def _submitted(self) -> None:
+        for job in self.gen.jobs:
+            self.metrics.request_submitted(self.n, job.params.max_tokens,
+                                           job.params.max_tokens or 0)
 
     def _account(self, i: int, d: wire.RequestDelta) -> None:
         self.infos[i].num_cached_tokens = d.num_cached_tokens
@@ -155,24 +191,18 @@ class Responder:
 
     async def _events(self, on_delta: Callable[[int, wire.RequestDelta], Any]
                       ) -> AsyncIterator[Any]:
-        """Deltas in arrival order (each passed to on_delta), until all jobs finished."""
-        done, next_check = 0, time.monotonic() + DISCONNECT_CHECK_S
+        """Deltas in arrival order (each passed to on_delta), until all jobs finished;
+        ``ClientGone`` when the watch saw the connection close."""
+        done = 0
         while done < len(self.gen.jobs):
-            item = await self.gen.next(DISCONNECT_CHECK_S)
-            if time.monotonic() >= next_check:  # however busy the stream is
-                next_check = time.monotonic() + DISCONNECT_CHECK_S
-                if await self.raw.is_disconnected():
-                    raise _ClientGone
-            if item is None:
-                continue
-            i, d = item
+            i, d = await self.gen.next()
             if isinstance(d, Exception):
                 raise d
             self._account(i, d)
             yield on_delta(i, d)
             done += d.finished
 
-    async def whole(self) -> Response:
+    async def _whole(self, watch: asyncio.Future) -> Response:
         choices = [Choice() for _ in range(len(self.gen.jobs) * self.n)]
 
         def add(i: int, d: wire.RequestDelta) -> None:
@@ -182,8 +212,8 @@ class Responder:
         try:
             async for _ in self._events(add):
                 pass
-        except _ClientGone:
-            logger.info("client gone; aborting %s", self.gen.rid)
+        except ClientGone:
+            logger.info("client gone; aborted %s", self.gen.rid)
             self._end_unfinished("abort")
             return Response(status_code=499)  # nobody reads it
         except Exception as e:  # noqa: BLE001 - failed mid-way
@@ -192,14 +222,12 @@ class Responder:
             raise APIError(503 if err.status == 503 else 500, err.message, "server_error"
                            ) from None
         finally:
+            watch.cancel()
             await self.gen.aclose()
         return JSONResponse(self.fmt.whole(self.infos, choices))
 
-    def stream(self, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
-        return StreamingResponse(self._sse(include_usage, continuous_usage),
-                                 media_type="text/event-stream")
-
-    async def _sse(self, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+    async def _sse(self, include_usage: bool, continuous: bool, watch: asyncio.Future
+                   ) -> AsyncIterator[str]:
         fmt, offsets = self.fmt, [len(p.echo) for p in self.infos for _ in range(self.n)]
         extra = {"prompt_token_ids": self.infos[0].token_ids} \
             if fmt.s.chat and fmt.s.token_ids else {}
@@ -210,9 +238,6 @@ class Responder:
 
         def usage(idx: int) -> dict | None:
             return fmt.usage([self.infos[idx // self.n]], sent[idx]) if continuous else None
-
-        for k, ch in enumerate(fmt.opening(self.infos)):
-            yield fmt.sse([ch], usage(ch["index"]), **(extra if k == 0 else {}))
 
         def chunks(i: int, d: wire.RequestDelta) -> list[str]:
             out = []
@@ -227,10 +252,12 @@ class Responder:
             return out
 
         try:
+            for k, ch in enumerate(fmt.opening(self.infos)):
+                yield fmt.sse([ch], usage(ch["index"]), **(extra if k == 0 else {}))
             async for batch in self._events(chunks):
                 for chunk in batch:
                     yield chunk
-        except _ClientGone:
+        except ClientGone:
             self._end_unfinished("abort")
             return
         except Exception as e:  # noqa: BLE001 - failed mid-way: say so, end
@@ -240,6 +267,7 @@ class Responder:
             yield "data: [DONE]\n\n"
             return
         finally:
+            watch.cancel()
             self._end_unfinished("abort")  # (no-op for completions that finished)
             await self.gen.aclose()
         if include_usage:
@@ -247,8 +275,17 @@ class Responder:
         yield "data: [DONE]\n\n"
 
 
-class _ClientGone(Exception):
-    pass
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+async def _watch(raw: Request, gen: Generation) -> None:
+    """Wait for the client's connection to close, then abort ``gen``. The body is already
+    read, so the next ASGI message is ``http.disconnect`` (uvicorn sends it when the socket
+    closes); cancelled once the answer is written."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    await gen.client_gone()
 
 
 def _refusal(e: Exception) -> APIError:

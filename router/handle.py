@@ -63,6 +63,16 @@ class WorkerHandle:
         return self.proc.pid if self.proc else self.info.get("pid")
 
     @property
+    def weights(self) -> dict[str, Any]:
+        """Its parts and weight bytes from its hello ({} before one); "ranks": a group's."""
+        info = self.info
+        if not info.get("weight_parts"):
+            return {}
+        ranks = {"ranks": info["rank_weight_bytes"]} if info.get("rank_weight_bytes") else {}
+        return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {}),
+                **ranks}
+
+    @property
     def up(self) -> bool:
         return self.state == "up"
 

@@ -117,14 +117,19 @@ class Intake:
 
     def _on_outputs(self, worker: WorkerHandle, outs: list[EngineCoreOutput]) -> None:
         mine: list[EngineCoreOutput] = []
+        orphans: list[str] = []
         for o in outs:
             a = self.table.live(o.request_id)
-            if a is None:
+            if a is None:  # ended: a late output, or a run its abort overtook
+                if o.finish_reason is None:
+                    orphans.append(o.request_id)
                 continue
             if a.worker is worker:
                 mine += self._accept(a, worker, o)
             elif a.decode is worker and a.worker is not None:
                 a.early.append(o)  # the decode side overtook the prefill side's hand-off
+        if orphans:
+            self.migration.abort_orphans(worker, orphans)
         results, stopped = self.outputs.process(mine)
         for cid in stopped:  # stop strings: the worker need not go on
             c = self.table.children.get(cid)

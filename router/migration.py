@@ -51,6 +51,8 @@ class Migration:
         self._spawn(self._run(self.table.start_attempt(c)))
 
     async def _run(self, a: Attempt) -> None:
+        if a.ended:  # ended before this task ran (the client left): nothing was sent
+            return
         try:
             await self.dispatcher.run(a)
         except Retry as e:
@@ -68,12 +70,17 @@ class Migration:
         held = self.table.end(a)
         targets = held if abort is None else [w for w in abort if w in held]
         if targets:
-            self._spawn(self._abort(targets, a.core_id))
+            self._spawn(self._abort(targets, [a.core_id]))
 
-    async def _abort(self, workers: list[WorkerHandle], core_id: str) -> None:
+    def abort_orphans(self, w: WorkerHandle, core_ids: list[str]) -> None:
+        """``w`` runs requests no live attempt owns (one ended while its AddRequest was on
+        its way, behind the abort): stop them there."""
+        self._spawn(self._abort([w], core_ids))
+
+    async def _abort(self, workers: list[WorkerHandle], core_ids: list[str]) -> None:
         for w in workers:
             if w.up:
-                await self.sockets.send(w, wire.AbortRequest([core_id]))
+                await self.sockets.send(w, wire.AbortRequest(core_ids))
 
     def finish(self, c: Child, abort: list[WorkerHandle] | None = None) -> None:
         """The child is done (finished, stopped, failed, aborted): no attempt follows."""

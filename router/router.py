@@ -230,7 +230,7 @@ class Router:
                  "silent_s": round(now - w.last_seen, 1) if w.up else None,
                  "busy_s": round(w.busy_s, 1), "start_error": w.spawn_error or None,
                  "node": getattr(w.proc, "node", None),
-                 "weights": _weights(w.info)}
+                 "weights": w.weights}
                 for w in ws]}
         stalled = [w.name for w in self.registry.workers if w.state == "stalled"]
         slow = [w.name for w in self.registry.workers
@@ -304,15 +304,22 @@ class Router:
         """The first output (the first token), within --first-token-timeout. Past it the
         wait is cancelled: the generator's clean-up aborts the request on its workers."""
         timeout = self.config.first_token_timeout
+        # NOTE: not wait_for, which (3.11) swallows a cancel arriving with the first token
+        first = asyncio.ensure_future(anext(outs, None))
         try:
-            return await asyncio.wait_for(anext(outs, None), timeout or None)
-        except asyncio.TimeoutError:
-            self.first_token_timeouts += 1
-            logger.error("no first token for a request in %.0f s: failed "
-                         "(--first-token-timeout)", timeout)
-            raise EngineDeadError(
-                f"no first token within {timeout:.0f} s (--first-token-timeout): the "
-                "workers are overloaded or stuck; retry later") from None
+            await asyncio.wait({first}, timeout=timeout or None)
+        finally:
+            if not first.done():  # timed out, or we are cancelled
+                first.cancel()
+                await asyncio.wait({first})
+        if not first.cancelled():
+            return first.result()
+        self.first_token_timeouts += 1
+        logger.error("no first token for a request in %.0f s: failed "
+                     "(--first-token-timeout)", timeout)
+        raise EngineDeadError(
+            f"no first token within {timeout:.0f} s (--first-token-timeout): the "
+            "workers are overloaded or stuck; retry later")
 
     async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
                          params: SamplingParams, stream: bool = True
@@ -391,10 +398,3 @@ def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.Request
 
 __all__ = ["MAX_MIGRATIONS", "EngineDeadError", "Router"]
 
-
-def _weights(info: dict[str, Any]) -> dict[str, Any]:
-    """A worker's parts and weight bytes from its hello ({} before one); "ranks": a group's."""
-    if not info.get("weight_parts"):
-        return {}
-    ranks = {"ranks": info["rank_weight_bytes"]} if info.get("rank_weight_bytes") else {}
-    return {"parts": info["weight_parts"], "bytes": dict(info.get("weight_bytes") or {}), **ranks}
