@@ -277,6 +277,12 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
             finally:
                 heartbeat.step_ends()
             trim.after_step()
+            if _ends_a_request(replies):
+                # NOTE: the stats go first (one socket: P0 reads them in order), so once a
+                # client has its last token /metrics counts the step that made it, as
+                # vLLM's do (its frontend records each step's stats with its outputs)
+                last_stats = time.monotonic()
+                _send(sock, wire.WorkerStats(handler.stats()), spec)
             for reply in replies:
                 _send(sock, reply, spec)
             for reply in handler.after_step():
@@ -288,6 +294,11 @@ def _loop(spec: WorkerSpec, handler: Handler, sock: zmq.Socket,
         if now - last_stats >= STATS_INTERVAL_S:
             last_stats = now
             _send(sock, wire.WorkerStats(handler.stats()), spec)
+
+
+def _ends_a_request(replies: list[msgspec.Struct]) -> bool:
+    return any(isinstance(r, wire.StepOutputs) and any(o.finish_reason for o in r.outputs)
+               for r in replies)
 
 
 # TEST HOOK (tests/test_step_watchdog.py): the workers named here (comma-separated worker
