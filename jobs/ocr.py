@@ -2,7 +2,8 @@
 
     documents (jobs/ocr_sources.py) -> pages, rendered one at a time (jobs/pdf.py)
       -> one chat request per page (image + prompt), at most --max-concurrency at once,
-         retried up to --max-page-retries times on a transient failure (jobs/driver.py)
+         retried up to --max-page-retries times on a transient failure (jobs/driver.py);
+         or, --layout lines (auto: the demo model), one per text line (jobs/ocr_lines.py)
       -> pages back in order into one file per document (jobs/ocr_output.py)
 
 A document whose failed-page fraction exceeds --max-page-error-rate is reported failed and
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 from triptych.jobs.backend import Backend, add_backend_args, open_backend
 from triptych.jobs.driver import CtrlC, ordered_map
+from triptych.jobs.ocr_lines import LAYOUTS, reads_lines, transcribe_lines
 from triptych.jobs.ocr_output import EXTENSIONS, DocWriter, PageResult, finished
 from triptych.jobs.ocr_sources import Document, PageJob, discover, pages
 from triptych.jobs.pdf import DEFAULT_MAX_PAGE_PIXELS, PageSize, Rasterizer
@@ -68,7 +70,12 @@ def add_parser(subparsers: Any) -> None:
                         "--dpi / --target-longest-dim is rendered smaller to fit (with a "
                         "warning); an image file bigger than this fails. The default is a "
                         "default server's image cap (--max-image-pixels)")
-    r.add_argument("--max-concurrency", type=int, default=16, help="pages in flight at once")
+    r.add_argument("--layout", choices=LAYOUTS, default="auto",
+                   help="page: send each page whole; lines: find its text lines and send "
+                        "each line (jobs/layout.py), for a model that reads lines; auto: "
+                        "lines for the built-in demo model, page for any other")
+    r.add_argument("--max-concurrency", type=int, default=16,
+                   help="pages in flight at once (and requests, with --layout lines)")
     r.add_argument("--max-page-retries", type=int, default=3,
                    help="further attempts for a page whose request failed transiently "
                         "(5xx, 408, 429, timeout)")
@@ -88,9 +95,11 @@ def add_parser(subparsers: Any) -> None:
     add_backend_args(p)
 
 
-def page_body(args: argparse.Namespace, job: PageJob, model: str, prompt: str) -> dict:
-    """The chat request of one page (what a client of `triptych serve` would send)."""
-    url = f"data:{job.mime};base64," + base64.b64encode(job.image or b"").decode()
+def page_body(args: argparse.Namespace, image: bytes, mime: str, model: str, prompt: str
+              ) -> dict:
+    """The chat request of one page or line image (what a client of `triptych serve` would
+    send)."""
+    url = f"data:{mime};base64," + base64.b64encode(image).decode()
     body: dict[str, Any] = {
         "model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "messages": [{"role": "user", "content": [
@@ -108,7 +117,12 @@ async def transcribe(backend: Backend, args: argparse.Namespace, job: PageJob, p
     """One page's result, retried on transient failures; raises only ServerGone."""
     if job.error is not None:
         return PageResult(error=job.error)
-    body = page_body(args, job, backend.served_model, prompt)
+    return await request(backend, args, page_body(args, job.image or b"", job.mime,
+                                                  backend.served_model, prompt))
+
+
+async def request(backend: Backend, args: argparse.Namespace, body: dict) -> PageResult:
+    """One chat request's result, retried on transient failures; raises only ServerGone."""
     start, error = time.monotonic(), "no attempt"
     for attempt in range(1, args.max_page_retries + 2):
         try:
@@ -152,9 +166,17 @@ async def run_ocr(args: argparse.Namespace, docs: list[Document], prompt: str
     progress = Progress(0, "page", "ocr", disable=args.no_progress)
     raster = Rasterizer()
     writers: dict[Document, DocWriter] = {}
+    limit = asyncio.Semaphore(args.max_concurrency)  # line requests in flight (--layout lines)
+
+    async def read_line(png: bytes) -> PageResult:
+        return await request(backend, args,
+                             page_body(args, png, "image/png", backend.served_model, prompt))
 
     async def one(job: PageJob) -> PageResult:
-        result = await transcribe(backend, args, job, prompt)
+        if lines and job.error is None:
+            result = await transcribe_lines(job.image or b"", read_line, limit)
+        else:
+            result = await transcribe(backend, args, job, prompt)
         if job.number:
             progress.done(1, result.completion_tokens)
         return result
@@ -174,6 +196,7 @@ async def run_ocr(args: argparse.Namespace, docs: list[Document], prompt: str
 
     try:
         async with CtrlC() as ctrl_c, open_backend(args, args.max_concurrency) as backend:
+            lines = reads_lines(args.layout, backend.served_model)
             size = PageSize(args.dpi, args.target_longest_dim, args.max_page_pixels)
             stream = pages(todo, raster, size, lambda d: progress.add_total(d.total or 0))
             async for job, result in ordered_map(stream, one, args.max_concurrency,
