@@ -7,15 +7,17 @@ import argparse
 import random
 from typing import Any
 
-from triptych.demo import render
+from triptych.demo import augment, render, template
 
 # Whole phrases the tokenizer keeps as one token each (added tokens): the prompts an OCR job
 # sends (jobs/ocr.py's default first) and the template's role names. Every other text is
 # one token per character; these would cost ~60 tokens per sample in training otherwise.
-PHRASES = ["Transcribe all the text on this page, in reading order.", "Transcribe the text.",
+PHRASES = [template.INSTRUCTION, "Transcribe the text.",
            "What is written here?", "Read the text in this image.", "What does it say?",
            "user\n", "assistant\n", "system\n"]
 PROMPTS = [PHRASES[0]] * 6 + PHRASES[1:5] + ["", "ocr", "Read this:"]
+
+
 class Batcher:
     """Samples -> model inputs, through the checkpoint's own tokenizer, template and processor."""
 
@@ -23,6 +25,9 @@ class Batcher:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+        # Training renders its drawn prompts (template.TRAIN); the checkpoint serves its
+        # single instruction whatever the prompt (template.SERVE).
+        self.tok.chat_template = template.TRAIN
         self.proc = AutoImageProcessor.from_pretrained(ckpt, local_files_only=True, backend="pil")
         self.pad = self.tok.convert_tokens_to_ids("<|endoftext|>")
         self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
@@ -59,8 +64,9 @@ class Batcher:
             ids[i, :len(r)], lab[i, :len(r)] = torch.tensor(r), torch.tensor(lb)
             mask[i, :len(r)] = 1
         types = (ids == self.proc_image_id).long()
-        return dict(input_ids=ids, attention_mask=mask, labels=lab, mm_token_type_ids=types,
-                    pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+        return {"input_ids": ids, "attention_mask": mask, "labels": lab,
+                "mm_token_type_ids": types, "pixel_values": enc["pixel_values"],
+                "image_grid_thw": enc["image_grid_thw"]}
 
 
 def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool = False
@@ -68,7 +74,9 @@ def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool
     """Curriculum: lines grow from 1 to 32 characters over the first ``--ramp`` of the run
     (a line of one or two characters teaches the glyphs before alignment matters); short
     pages (2-3 lines on a 280-336 px wide canvas, ``page``) join after ``--pages-from`` of
-    the run. ``--random-share`` of the lines are random characters.
+    the run. ``--random-share`` of the lines are random characters. ``--strips`` of the
+    lines are printed broadly and read back through `triptych ocr`'s layout step
+    (demo/augment.py), up to 40 characters.
     Returns (image, transcription, the characters each merged vision token shows)."""
     cols: list[list[list[int]]] = []
     if page:
@@ -77,6 +85,9 @@ def sample(rng: random.Random, frac: float, args: argparse.Namespace, page: bool
                                        width=rng.choice([280, 308, 336]),
                                        default_only=args.default_font_only,
                                        crop=getattr(args, "crop_pages", False), columns=cols)
+        return img, text, cols
+    if getattr(args, "strips", 0.0) and rng.random() < args.strips:
+        img, text = augment.sample(rng, rng.randint(4, 40), columns=cols)
         return img, text, cols
     max_chars = int(1 + 31 * min(1.0, frac / args.ramp)) if args.ramp > 0 else 32
     img, text = render.sample_line(rng, rng.randint(max(1, max_chars // 3), max_chars),
