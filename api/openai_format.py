@@ -202,36 +202,42 @@ class Formatter:
         return f"data: {json.dumps(obj)}\n\n"
 
     def opening(self, prompts: list[PromptInfo]) -> list[dict]:
-        """Chat streams open each choice with its role (and the echoed text, if any);
-        completion streams open with the echo. One choice per chunk."""
-        out = []
-        for i in range(len(prompts) * self.s.n):
-            p = prompts[i // self.s.n]
-            if self.s.chat:
-                out.append({"index": i, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
-                if p.echo:
-                    out.append({"index": i, "delta": {"content": p.echo}, "logprobs": None,
-                                "finish_reason": None})
-            elif p.echo or self.s.token_ids:
-                ch = {"index": i, "text": p.echo, "logprobs": None, "finish_reason": None}
-                if self.s.token_ids:
-                    ch["prompt_token_ids"], ch["token_ids"] = p.token_ids, []
-                out.append(ch)
+        """Chat streams open each choice with its role (and the echoed text, if any), one
+        choice per chunk, logprobs null as vLLM's. Completion streams have no opening: a
+        choice's first chunk carries its echo (``chunk_choice(first=...)``)."""
+        out: list[dict] = []
+        for i in range(len(prompts) * self.s.n if self.s.chat else 0):
+            out.append({"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None})
+            if (p := prompts[i // self.s.n]).echo:
+                out.append({"index": i, "delta": {"content": p.echo}, "logprobs": None,
+                            "finish_reason": None})
         return out
 
-    def chunk_choice(self, index: int, c: wire.CompletionDelta, offset: int) -> dict:
+    def chunk_choice(self, index: int, c: wire.CompletionDelta, offset: int,
+                     first: PromptInfo | None = None) -> dict:
         """One completion's delta as a stream choice; ``offset``: its text so far (the
-        completions format's text_offset)."""
+        completions format's text_offset). ``first`` (completions, a choice's first chunk):
+        its prompt, whose echo (text and, with logprobs, the prompt's logprobs) comes
+        first and whose ids ride along (return_token_ids), as in vLLM's first chunk. So
+        with logprobs asked for, every completions chunk carries a logprobs object."""
         ch: dict[str, Any] = {"index": index}
         if self.s.chat:
             ch["delta"] = {"content": c.text} if c.text else {}
             ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs or [])
                               if self.s.logprobs is not None else None)
         else:
-            ch["text"] = c.text
-            ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs or [], offset)
-                              if self.s.logprobs is not None else None)
+            echo = first.echo if first is not None else ""
+            ch["text"] = echo + c.text
+            ch["logprobs"] = None
+            if self.s.logprobs is not None:
+                lp = self.completion_logprobs(c.token_ids, c.logprobs or [], offset + len(echo))
+                if echo and first is not None and first.prompt_logprobs is not None:
+                    head = self.echo_logprobs(first)  # the echoed prompt's tokens first
+                    lp = {key: head[key] + lp[key] for key in head}
+                ch["logprobs"] = lp
+            if first is not None and self.s.token_ids:
+                ch["prompt_token_ids"] = first.token_ids
         ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
         if self.s.token_ids:
             ch["token_ids"] = c.token_ids

@@ -228,7 +228,9 @@ class Responder:
 
     async def _sse(self, include_usage: bool, continuous: bool, watch: asyncio.Future
                    ) -> AsyncIterator[str]:
-        fmt, offsets = self.fmt, [len(p.echo) for p in self.infos for _ in range(self.n)]
+        fmt = self.fmt
+        offsets = [0] * (len(self.infos) * self.n)  # completions: text sent per choice
+        opened: set[int] = set()  # completions choices whose first chunk went out
         extra = {"prompt_token_ids": self.infos[0].token_ids} \
             if fmt.s.chat and fmt.s.token_ids else {}
         # vLLM: usage in every chunk that carries a choice only when include_usage is set
@@ -247,8 +249,11 @@ class Responder:
             for c in d.completions:
                 idx = i * self.n + c.index
                 sent[idx] += len(c.token_ids)
-                out.append(fmt.sse([fmt.chunk_choice(idx, c, offsets[idx])], usage(idx)))
-                offsets[idx] += len(c.text)
+                first = None if fmt.s.chat or idx in opened else self.infos[i]
+                opened.add(idx)
+                ch = fmt.chunk_choice(idx, c, offsets[idx], first)
+                out.append(fmt.sse([ch], usage(idx)))
+                offsets[idx] += len(ch.get("text", ""))
             return out
 
         try:
