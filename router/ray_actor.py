@@ -38,7 +38,7 @@ def write_key_dir(keys: dict[str, bytes]) -> tuple[str, int]:
     dir is judged dead at once by the next stale cleanup on this node)."""
     from triptych.connector.owner import make_owned_dir
 
-    path, fd = make_owned_dir(f"triptych-{os.getpid()}-keys-")  # 0700
+    path, lock = make_owned_dir(f"triptych-{os.getpid()}-keys-")  # 0700
     os.makedirs(os.path.join(path, "private"), mode=0o700)
     os.makedirs(os.path.join(path, "public"), mode=0o755)
 
@@ -56,7 +56,7 @@ def write_key_dir(keys: dict[str, bytes]) -> tuple[str, int]:
                          (WORKER_KEY, keys["worker_public"])):
         with open(os.path.join(path, "public", f"{name}.key"), "w") as f:
             f.write(cert(public, None))
-    return path, fd
+    return path, lock
 
 
 class PoolWorkerActor:

@@ -20,7 +20,11 @@ arguments).
 Nothing outlives the server: every actor and placement group is owned by P0's Ray job
 (none detached), so Ray removes them if P0 is killed; a clean stop asks each worker to
 stop (Shutdown on its socket), kills what is left, removes the placement groups and, if
-this server started its own Ray, stops it.
+this server started its own Ray, stops it; on a cluster that stays, ``close`` returns once
+Ray shows every actor dead and every placement group removed. Placement groups are named
+``triptych-<pid>-<engine tag>-<worker>``: engines one after another in one process (a
+notebook, an evaluation script) never meet each other's names. A worker Ray cannot start
+is a ClusterError naming it, after what it had made is released.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import asyncio
 import logging
 import os
 import socket
-import subprocess
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +44,13 @@ from triptych.connector.auth import Keys
 from triptych.router.errors import ClusterError
 from triptych.router.handle import WorkerHandle
 from triptych.router.layout import Layout
+from triptych.router.ray_proc import RayProc
 from triptych.router.ray_reaper import note_session, reap_orphans
 from triptych.worker.loop import WorkerSpec
 
 logger = logging.getLogger("triptych.ray")
 CHECK_CONNECT_S = 5.0  # an explicit cluster address must answer a TCP connect this fast
+GONE_TIMEOUT_S = 30.0  # close waits this long at most for Ray to show actors and groups gone
 
 
 def pool_bundle(config: EngineConfig, pool: str, tp: int) -> tuple[dict[str, float], int]:
@@ -56,76 +63,6 @@ def pool_bundle(config: EngineConfig, pool: str, tp: int) -> tuple[dict[str, flo
     return bundle, max(1, int(cpu)) * tp
 
 
-class RayProc:
-    """A worker's actor seen as a process by the supervisor (poll / wait / kill /
-    send_signal / pid), so Ray's deaths take the path of local exits."""
-
-    def __init__(self, actor: Any, run_ref: Any, node_ref: Any, handle: WorkerHandle,
-                 on_stop: Callable[[], None]) -> None:
-        self.actor, self.run_ref, self._node_ref = actor, run_ref, node_ref
-        self._handle, self._on_stop = handle, on_stop
-        self.returncode: int | None = None
-        self._node: dict[str, str] | None = None
-
-    @property
-    def pid(self) -> int:
-        return int(self._handle.info.get("pid") or (self._node or {}).get("pid") or 0)
-
-    @property
-    def node(self) -> dict[str, str] | None:
-        """{"node_id", "ip"} once Ray has placed the actor (None before)."""
-        import ray
-
-        if self._node is None and ray.wait([self._node_ref], timeout=0)[0]:
-            try:
-                self._node = ray.get(self._node_ref)
-            except ray.exceptions.RayError:
-                self._node = {}
-        return {k: v for k, v in self._node.items() if k != "pid"} if self._node else None
-
-    def poll(self) -> int | None:
-        import ray
-
-        if self.returncode is None and ray.wait([self.run_ref], timeout=0)[0]:
-            try:
-                self.returncode = int(ray.get(self.run_ref))
-            except ray.exceptions.RayError as e:
-                logger.error("%s: Ray reports its actor gone: %s", self._handle.identity,
-                             str(e).splitlines()[0][:200])
-                self.returncode = -9
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        import ray
-
-        if self.returncode is None:
-            try:
-                ray.get(self.run_ref, timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise subprocess.TimeoutExpired("ray actor", timeout or 0) from None
-            except ray.exceptions.RayError:
-                pass
-            self.poll()
-        return self.returncode if self.returncode is not None else -9
-
-    def send_signal(self, sig: int) -> None:
-        """Any signal is a request to stop: a Shutdown message on its socket."""
-        self._on_stop()
-
-    def terminate(self) -> None:
-        self._on_stop()
-
-    def kill(self) -> None:
-        import ray
-
-        if self.returncode is None:
-            self.returncode = -9
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception as e:  # noqa: BLE001 - gone with its node
-            logger.debug("ray.kill(%s): %s", self._handle.identity, e)
-
-
 class RayBackend:
     def __init__(self, config: EngineConfig, layout: Layout) -> None:
         self.config = config
@@ -136,6 +73,7 @@ class RayBackend:
         self.send_shutdown: Callable[[WorkerHandle], None] = lambda w: None
         self._pgs: dict[str, Any] = {}  # worker name -> its current placement group
         self._procs: dict[str, RayProc] = {}  # worker name -> its current actor
+        self.tag = f"triptych-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this engine's names
 
     # -- start ----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -226,20 +164,25 @@ class RayBackend:
 
         self.release(w.name)
         bundle, threads = pool_bundle(self.config, w.pool, self.layout.tp[w.pool])
-        pg = ray.util.placement_group([bundle], strategy="STRICT_PACK",
-                                      name=f"triptych-{os.getpid()}-{w.name}")
-        self._pgs[w.name] = pg
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        actor = ray.remote(PoolWorkerActor).options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom or None,
-            max_restarts=0, max_concurrency=1, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=0)).remote()
         spec = msgspec.structs.replace(spec, num_threads=threads)
         wire_keys = {k: v for k, v in self.keys.items() if not k.startswith("router_s")}
-        node_ref = actor.node.remote()
-        proc = RayProc(actor, actor.run.remote(msgspec.json.encode(spec), wire_keys),
-                       node_ref, w, lambda: self.send_shutdown(w))
+        try:
+            pg = ray.util.placement_group([bundle], strategy="STRICT_PACK",
+                                          name=f"{self.tag}-{w.name}")
+            self._pgs[w.name] = pg
+            custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+            actor = ray.remote(PoolWorkerActor).options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                resources=custom or None, max_restarts=0, max_concurrency=1, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0)).remote()
+            node_ref = actor.node.remote()
+            run_ref = actor.run.remote(msgspec.json.encode(spec), wire_keys)
+        except Exception as e:  # noqa: BLE001 - Ray's own errors: a name taken, GCS gone
+            self.release(w.name)
+            raise ClusterError(f"Ray could not start worker {w.name}: "
+                               f"{str(e).strip().splitlines()[0][:300]}") from None
+        proc = RayProc(actor, run_ref, node_ref, w, lambda: self.send_shutdown(w))
         self._procs[w.name] = proc
         return proc
 
@@ -266,19 +209,41 @@ class RayBackend:
 
         if not ray.is_initialized():
             return
-        pids = [p.pid for p in self._procs.values()]
+        procs, pgs = list(self._procs.values()), list(self._pgs.values())
         for name in list(self._procs) + list(self._pgs):
             self.release(name)
+        pids = [p.settled_pid() for p in procs]  # (one killed before its hello too)
         if self.started_ray:
             ray.shutdown()
+        else:  # the cluster stays: return once it shows nothing of ours (removal is async)
+            _wait_gone(procs, pgs)
         _clean_after(pids)
+
+
+def _wait_gone(procs: list[RayProc], pgs: list[Any], timeout: float = GONE_TIMEOUT_S
+               ) -> None:
+    """Until Ray's tables show each killed actor dead and each placement group removed
+    (bounded; what is still there is logged)."""
+    import ray
+    from ray._private.state import actors  # NOTE: the GCS table: ray.util.state needs
+    # the dashboard, which a cluster may run without
+
+    deadline = time.monotonic() + timeout
+    ids = [p.actor._actor_id.hex() for p in procs]
+    while time.monotonic() < deadline:
+        pgs = [pg for pg in pgs
+               if ray.util.placement_group_table(pg).get("state") != "REMOVED"]
+        ids = [i for i in ids if (actors(actor_id=i) or {}).get("State") != "DEAD"]
+        if not pgs and not ids:
+            return
+        time.sleep(0.05)
+    logger.warning("Ray still shows %d actors and %d placement groups of this engine %.0f s "
+                   "after they were removed", len(ids), len(pgs), timeout)
 
 
 def _clean_after(pids: list[int], timeout: float = 5.0) -> None:
     """Once the killed actors of this host have exited (bounded), remove their key dirs: a
     killed actor cannot, and each key dir is judged by the lock its actor held."""
-    import time
-
     from triptych.router.supervisor import clean_stale
 
     deadline = time.monotonic() + timeout

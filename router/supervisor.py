@@ -38,6 +38,7 @@ from collections.abc import Callable
 import msgspec
 from triptych.connector.owner import make_owned_dir, owner_alive, release
 from triptych.connector.segments import pid_alive
+from triptych.router.errors import ClusterError
 from triptych.router.handle import WorkerHandle
 from triptych.router.layout import GpuShares
 from triptych.worker.loop import WorkerSpec
@@ -221,7 +222,7 @@ class Supervisor:
                     and now >= w.restart_at:
                 try:
                     self.spawn(w)
-                except OSError as e:  # fork EAGAIN, ENOMEM, a missing interpreter...
+                except (OSError, ClusterError) as e:  # fork EAGAIN, ENOMEM, Ray refused...
                     w.spawn_error = f"{type(e).__name__}: {e}"
                     self._note_error(f"starting {w.name} failed: {w.spawn_error}")
                     w.state = "dead"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -33,7 +34,15 @@ class RouterThread:
             self.router = Router(config, tokenizer, processor=processor)
             self._call(self.router.start())
         except BaseException:
-            self._stop_loop()
+            # NOTE: a failed start leaves nothing: workers, Ray actors and placement
+            # groups, sockets (their auth thread), the run dir
+            try:
+                if hasattr(self, "router"):
+                    self._call(self.router.shutdown())
+            except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                logging.getLogger("triptych.router").exception("cleaning up a failed start")
+            finally:
+                self._stop_loop()
             raise
         atexit.register(self.close)
 
