@@ -155,12 +155,16 @@ def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
     done = threading.Event()
     total = min(args.steps, args.max_steps or args.steps)
     group = max(1, getattr(args, "bucket", 1))
+    pin = getattr(args, "device", "cpu") != "cpu"
 
     def produce() -> None:
         for start in range(0, total, group):
             for samples in step_samples(start, min(start + group, total), args, rng):
                 item = make_inputs(samples, batcher, teacher, rng, model,
                                    getattr(args, "procs", 1), getattr(args, "rank", 0))
+                if pin:  # page-locked here, so the step's copy to the GPU does not wait
+                    item = (item[0], {k: v.pin_memory() for k, v in item[1].items()},
+                            item[2].pin_memory())
                 while not done.is_set():
                     try:
                         q.put(item, timeout=1.0)

@@ -14,10 +14,12 @@ def greedy(model: Any, batcher: Batcher, image: Any, max_new: int = 160) -> str:
     import torch
 
     enc = batcher.proc(images=[image], return_tensors="pt")
-    ids = torch.tensor([batcher.prompt_ids(enc["image_grid_thw"][0], PROMPTS[0])])
+    dev = model.device
+    ids = torch.tensor([batcher.prompt_ids(enc["image_grid_thw"][0], PROMPTS[0])], device=dev)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                          mm_token_type_ids=(ids == batcher.proc_image_id).long(),
-                         pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                         pixel_values=enc["pixel_values"].to(dev),
+                         image_grid_thw=enc["image_grid_thw"].to(dev),
                          max_new_tokens=max_new, do_sample=False, eos_token_id=batcher.eos,
                          pad_token_id=batcher.pad)
     return batcher.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

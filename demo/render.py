@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 ROW = 28  # pixels per merged vision token (patch 14 x spatial merge 2)
@@ -19,19 +19,27 @@ CHARSET = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 _DEJAVU = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf"]
 _FONT_DIRS = ["/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu",
               "/usr/share/fonts/TTF"]
-_WORDS = """the of and to in is was that for it with as on be at by this had not are but from
-or have an they which one you were all we her she there would their will when who him been
-has more if no out so said what up its about into than them can only other new some could
-time these two may then do first any my now such like our over man me even most made after
-also did many before must through back years where much your way well down should because
-each just those people how too little state good very make world still own see men work long
-get here between both life being under never day same another know while last might us great
-old year off come since against go came right used take three page text model image reads
-invoice total date order number name street city paper letter table chart scan print line
-data file value price amount account report section figure note market water house school""".split()
+_WORDS = [
+    "the", "of", "and", "to", "in", "is", "was", "that", "for", "it", "with", "as", "on", "be",
+    "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they",
+    "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their",
+    "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "so", "said",
+    "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new",
+    "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now",
+    "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did",
+    "many", "before", "must", "through", "back", "years", "where", "much", "your", "way",
+    "well", "down", "should", "because", "each", "just", "those", "people", "how", "too",
+    "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work",
+    "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
+    "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come",
+    "since", "against", "go", "came", "right", "used", "take", "three", "page", "text",
+    "model", "image", "reads", "invoice", "total", "date", "order", "number", "name", "street",
+    "city", "paper", "letter", "table", "chart", "scan", "print", "line", "data", "file",
+    "value", "price", "amount", "account", "report", "section", "figure", "note", "market",
+    "water", "house", "school"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def font_paths() -> tuple[str, ...]:
     """The DejaVu fonts present on this machine (none is fine: the default font suffices)."""
     found = []
@@ -43,7 +51,7 @@ def font_paths() -> tuple[str, ...]:
     return tuple(found)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _font(path: str | None, size: int) -> Any:
     from PIL import ImageFont
 
@@ -227,24 +235,36 @@ def cer(hyp: str, ref: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m triptych.demo.render OUT.png [LINE ...]``: an image to try the demo model on
-    (README's first example): the given lines, or seeded sampled ones, printed clean in
-    Pillow's default font as a short page (several lines) or a line strip (one)."""
+    (README's first example): the given lines, or seeded sampled ones, printed like a
+    screenshot in a face the training never prints (DejaVu Sans Bold, 24 px: demo/heldout.py's
+    renderer, not this module's; Pillow's default font where DejaVu is missing)."""
     import argparse
+    import os
+    import sys
+
+    from triptych.demo import heldout
 
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="PNG file to write")
     p.add_argument("lines", nargs="*", help="lines of text (default: sampled ones)")
     p.add_argument("--lines-count", type=int, default=3, help="sampled lines when none given")
-    p.add_argument("--width", type=int, default=336, help="page width in pixels (x1.3 high)")
-    p.add_argument("--size", type=int, default=18, help="font size in pixels (17-20 read best)")
-    p.add_argument("--seed", type=int, default=7, help="seed of the sampled lines")
+    p.add_argument("--font", default="DejaVuSans-Bold.ttf",
+                   help="a DejaVu face's file name, or 'default' (Pillow's own font)")
+    p.add_argument("--size", type=int, default=24, help="font size in pixels")
+    p.add_argument("--background", choices=heldout.BACKGROUNDS, default="white",
+                   help="dark: light text on a dark background")
+    p.add_argument("--seed", type=int, default=7, help="seed of the sampled lines and margins")
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
-    font = _font(None, a.size)
-    lines = a.lines or [sample_text(rng, 24) for _ in range(a.lines_count)]
-    img = (render_line(lines[0], rng, font, clean=True) if len(lines) == 1
-           else render_page(lines, rng, font, width=a.width, clean=True))
+    face = None if a.font == "default" else a.font
+    if face is not None and not os.path.exists(os.path.join(heldout._DIR, face)):
+        print(f"{face} not found in {heldout._DIR}: Pillow's default font instead",
+              file=sys.stderr)
+        face = None
+    lines = a.lines or [heldout.sample_text(rng, 28) for _ in range(a.lines_count)]
+    img = heldout.render_lines(rng, lines, heldout.font((a.font, face), a.size), a.background,
+                               "none", spacing=(1.3, 1.3), margins=(12, 24))
     img.save(a.out)
     print("\n".join(lines))
     return 0

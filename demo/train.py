@@ -65,6 +65,18 @@ def build_skeleton(out: str, seed: int) -> None:
                              ).save_pretrained(out)
 
 
+def device(name: str) -> str:
+    """``--device``: ``auto`` is the GPU when torch sees one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch sees no GPU (torch {torch.__version__}); "
+                         "use --device cpu")
+    return name
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -75,6 +87,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         import shutil
 
         shutil.copytree(args.init, args.out, dirs_exist_ok=True)
+        if os.path.exists(os.path.join(args.out, "heldout.json")):  # the init's figures
+            os.remove(os.path.join(args.out, "heldout.json"))
     elif lead:
         build_skeleton(args.out, args.seed)
     try:
@@ -94,10 +108,12 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
     from transformers import Qwen2VLForConditionalGeneration
 
     rng = random.Random(args.seed)  # every rank draws the whole step, keeps its share
+    dev = torch.device(args.device)
     batcher = Batcher(args.out)
     model = Qwen2VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32)
-    model.train()
+    model.to(dev).train()
     teacher = TokenTargets(model)
+    teacher.head.to(dev)
     params = list(model.parameters()) + list(teacher.head.parameters())
     if args.procs > 1:
         ddp.same_start(params)
@@ -110,6 +126,9 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
         for g in opt.param_groups:
             g["lr"] = lr
         _, batch, targets = next(batches)
+        if dev.type != "cpu":  # the producer's pinned tensors, copied without a wait
+            batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+            targets = targets.to(dev, non_blocking=True)
         out = model(**batch)
         aux, t = teacher.loss(targets)
         opt.zero_grad(set_to_none=True)
@@ -170,28 +189,37 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
 
 # The shipped recipe, phase by phase (``--recipe``): the flags each phase changes from the
 # defaults. Phase 1 is the first half of a 6,000-step cosine schedule (lines only, growing);
-# phases 2 and 3 start from the previous phase's weights and mix in (cropped) pages.
+# each later phase starts from the previous phase's weights; 2 and 3 mix in cropped pages.
 RECIPE: list[dict[str, Any]] = [
     {"steps": 6000, "max_steps": 3000},
     {"steps": 3000, "lr": 1e-3, "ramp": 0.0, "pages_from": 0.0, "crop_pages": True},
     {"steps": 4500, "lr": 1e-3, "ramp": 0.0, "pages_from": 0.0, "page_every": 4,
      "random_share": 0.3, "crop_pages": True, "seed": 1},
+    # Phases 4-5: three lines in four printed broadly and read back through the layout
+    # step of `triptych ocr` (demo/augment.py), pages every 8th step as in phase 2.
+    {"steps": 4000, "lr": 1e-3, "ramp": 0.0, "pages_from": 0.0, "random_share": 0.3,
+     "crop_pages": True, "strips": 0.75, "seed": 2},
+    {"steps": 8000, "lr": 1e-3, "ramp": 0.0, "pages_from": 0.0, "random_share": 0.3,
+     "crop_pages": True, "strips": 0.75, "seed": 3},
 ]
 
 
 def run_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     """Every phase of RECIPE in turn, in one command; the phases' checkpoints go to
-    ``--out``/phase-N and the last one's files to ``--out`` (what ships)."""
+    ``--out``/phase-N and the last one's files to ``--out`` (what ships). ``--from-phase
+    N`` starts at phase N from ``--init`` (phase N-1's weights)."""
     import shutil
 
-    init, result, start = None, {}, time.monotonic()
+    init, result, start = args.init, {}, time.monotonic()
     for i, phase in enumerate(RECIPE, 1):
+        if i < args.from_phase:
+            continue
         ns = p.parse_args(["--out", os.path.join(args.out, f"phase-{i}")])
         for k, v in phase.items():
             setattr(ns, k, v)
         ns.init, ns.threads, ns.eval_every = init, args.threads, args.eval_every
         ns.seed += args.seed  # --seed N: another draw of the recipe (0: the shipped one)
-        ns.procs = args.procs
+        ns.procs, ns.device = args.procs, args.device
         print(f"recipe phase {i}/{len(RECIPE)}: {phase}", flush=True)
         result = train(ns)
         init = ns.out
@@ -251,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                         "OpenMP's wait policy is left at libgomp's default on purpose: "
                         "PASSIVE made a step ~30%% slower here (many small ops, each a "
                         "parallel region)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model trains: cpu (the shipped weights, bit for bit on one "
+                        "box), cuda / cuda:N, or auto (the GPU when there is one). Rendering "
+                        "and the image processor stay on the CPU, one step ahead on a thread; "
+                        "a GPU run is another draw of the recipe, not the shipped weights")
     p.add_argument("--procs", type=int, default=1,
                    help="training processes, data parallel over gloo on 127.0.0.1, each with "
                         "--threads threads and its share of one process's samples (it must "
@@ -272,14 +305,25 @@ def main(argv: list[str] | None = None) -> int:
                    "page CER")
     p.add_argument("--recipe", action="store_true",
                    help="run the shipped recipe (RECIPE: every phase, one after the other; "
-                        "only --out, --threads, --procs, --eval-every and --seed apply; "
+                        "only --out, --threads, --procs, --device, --eval-every, --seed and "
+                        "--from-phase / --init apply; "
                         "--seed N adds N to every phase's seed: another draw)")
+    p.add_argument("--from-phase", type=int, default=1,
+                   help="with --recipe: start at this phase, from --init's weights (those "
+                        "of the phase before, e.g. the shipped weights of an earlier recipe)")
     p.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     args = p.parse_args(argv)
     if args.procs < 1 or args.batch % args.procs or max(1, args.batch // 8) % args.procs:
         p.error(f"--procs must be at least 1 and divide --batch ({args.batch}) and --batch / 8 "
                 f"({args.batch // 8}: a page step's samples)")
+    if args.procs > 1 and args.device != "cpu":
+        p.error("--procs above 1 trains over gloo on the CPU: use --device cpu, or one "
+                "process on the GPU")
+    args.device = device(args.device)  # auto resolved: training.json says which it was
+    if args.recipe and not 1 <= args.from_phase <= len(RECIPE) \
+            or args.recipe and (args.from_phase > 1) != bool(args.init):
+        p.error(f"--from-phase must be 1-{len(RECIPE)}, and above 1 exactly with --init")
     run_recipe(p, args) if args.recipe else train(args)
     return 0
 

@@ -11,6 +11,9 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+import torch
+
 from triptych.demo import render
 from triptych.demo.batches import Batcher, is_page_step, step_samples
 from triptych.models.demo import demo_checkpoint
@@ -77,7 +80,7 @@ def test_training_command_runs_a_few_steps(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "triptych.demo.train", "--out", str(out),
                         "--steps", "6", "--batch", "8", "--pages-from", "0", "--page-every", "2",
                         "--crop-pages", "--bucket", "3", "--eval-every", "0", "--eval-lines", "1",
-                        "--eval-pages", "1", "--log-every", "1", "--threads", "1"],
+                        "--eval-pages", "1", "--eval-dev", "1", "--log-every", "1", "--threads", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("loss") == 6
@@ -92,7 +95,7 @@ def _run(out, *flags: str) -> dict:
     r = subprocess.run([sys.executable, "-m", "triptych.demo.train", "--out", str(out),
                         "--steps", "4", "--lr", "0.02", "--pages-from", "0", "--page-every", "2",
                         "--crop-pages", "--eval-every", "0", "--eval-lines", "1",
-                        "--eval-pages", "1", "--threads", "1", *flags],
+                        "--eval-pages", "1", "--eval-dev", "1", "--threads", "1", *flags],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((out / "training.json").read_text())
@@ -126,10 +129,11 @@ def test_two_training_processes_train_on_one_process_samples(tmp_path) -> None:
 
 def test_recipe_seed_is_another_draw(tmp_path) -> None:
     """--recipe --seed N adds N to every phase's seed (another draw of the recipe); without
-    it the phases keep RECIPE's seeds. A two-phase recipe of a few steps stands in for the
+    it the phases keep RECIPE's seeds; --from-phase N --init (phase N-1's weights) runs the
+    rest of the recipe, to the same weights. A two-phase recipe of a few steps stands in for the
     shipped one (patched into a child process: nothing in this process changes)."""
     def recipe(out, *flags: str) -> dict:
-        few = "batch=4, eval_lines=1, eval_pages=1"
+        few = "batch=4, eval_lines=1, eval_pages=1, eval_dev=1"
         code = ("import sys; from triptych.demo import train; train.RECIPE[:] = ["
                 f"dict(steps=2, {few}), dict(steps=2, {few}, pages_from=0.0, seed=1)]; "
                 "train.main(sys.argv[1:])")
@@ -142,8 +146,14 @@ def test_recipe_seed_is_another_draw(tmp_path) -> None:
     base, other = recipe(tmp_path / "base"), recipe(tmp_path / "other", "--seed", "5")
     assert [p["seed"] for p in base["phases"]] == [0, 1]
     assert [p["seed"] for p in other["phases"]] == [5, 6]
-    assert ((tmp_path / "base" / "model.safetensors").read_bytes()
-            != (tmp_path / "other" / "model.safetensors").read_bytes())
+    weights = (tmp_path / "base" / "model.safetensors").read_bytes()
+    assert weights != (tmp_path / "other" / "model.safetensors").read_bytes()
+    # --from-phase 2 from phase 1's weights is the rest of the same recipe, bit for bit.
+    rest = recipe(tmp_path / "rest", "--from-phase", "2", "--init",
+                  str(tmp_path / "base" / "phase-1"))
+    assert [p["seed"] for p in rest["phases"]] == [0, 1]  # phase 1's record came along
+    assert (tmp_path / "rest" / "model.safetensors").read_bytes() == weights
+    assert not (tmp_path / "rest" / "phase-1").exists()
 
 
 def test_ranks_weighted_by_their_tokens_give_the_whole_batch_gradient() -> None:
@@ -186,3 +196,38 @@ def test_ranks_weighted_by_their_tokens_give_the_whole_batch_gradient() -> None:
     weighted, _ = grad([samples[:4], samples[4:]], [ddp.shares(c, summed, 2) for c in cnt])
     err = lambda g: float((g - whole).norm() / whole.norm())  # noqa: E731
     assert err(weighted) < 1e-5 and err(plain) > 100 * err(weighted), (err(weighted), err(plain))
+
+
+def test_device_flag_refuses_what_cannot_run(tmp_path) -> None:
+    """--device cuda on a box without a GPU, and --procs over gloo with a GPU, each fail
+    before any work with a line saying what to use instead."""
+    base = [sys.executable, "-m", "triptych.demo.train", "--out", str(tmp_path / "x"),
+            "--steps", "1", "--threads", "1"]
+    r = subprocess.run(base + ["--procs", "2", "--batch", "16", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--procs above 1" in r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run(base + ["--device", "cuda"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and "torch sees no GPU" in r.stderr and "--device cpu" in r.stderr
+    assert not (tmp_path / "x").exists()  # refused before building anything
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_the_gpu(tmp_path) -> None:
+    """A few steps on the GPU (--device auto picks it): the loss is finite, training.json
+    names the device, and the checkpoint reads through HF on the CPU as trained."""
+    out = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-m", "triptych.demo.train", "--out", str(out),
+                        "--steps", "6", "--batch", "16", "--pages-from", "0", "--page-every", "3",
+                        "--crop-pages", "--strips", "0.5", "--eval-every", "0", "--eval-lines",
+                        "2", "--eval-pages", "1", "--eval-dev", "2", "--log-every", "1",
+                        "--threads", "1", "--device", "auto"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in r.stdout.splitlines() if " loss " in line]
+    assert len(losses) == 6 and all(v == v and v < 100 for v in losses)
+    result = json.loads((out / "training.json").read_text())
+    assert result["phases"][0]["device"] == "cuda"
+    assert 0 <= result["heldout_cer"]
+
