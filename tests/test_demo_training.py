@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from triptych.demo import render
 from triptych.demo.batches import Batcher, is_page_step, step_samples
 from triptych.models.demo import demo_checkpoint
@@ -162,7 +162,6 @@ def test_ranks_weighted_by_their_tokens_give_the_whole_batch_gradient() -> None:
     process takes over the whole batch; an unweighted mean of the ranks' means is not."""
     import torch
     from transformers import Qwen2VLForConditionalGeneration
-
     from triptych.demo import ddp
     from triptych.demo.batches import make_inputs
     from triptych.demo.teacher import TokenTargets
@@ -226,7 +225,7 @@ def test_training_on_the_gpu(tmp_path) -> None:
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [float(line.split()[3]) for line in r.stdout.splitlines() if " loss " in line]
-    assert len(losses) == 6 and all(v == v and v < 100 for v in losses)
+    assert len(losses) == 6 and all(math.isfinite(v) and v < 100 for v in losses)
     result = json.loads((out / "training.json").read_text())
     assert result["phases"][0]["device"] == "cuda"
     assert 0 <= result["heldout_cer"]
