@@ -201,6 +201,9 @@ RECIPE: list[dict[str, Any]] = [
      "crop_pages": True, "strips": 0.75, "seed": 2},
     {"steps": 8000, "lr": 1e-3, "ramp": 0.0, "pages_from": 0.0, "random_share": 0.3,
      "crop_pages": True, "strips": 0.75, "seed": 3},
+    # Phase 6: the same mix again at half the learning rate.
+    {"steps": 6000, "lr": 5e-4, "ramp": 0.0, "pages_from": 0.0, "random_share": 0.3,
+     "crop_pages": True, "strips": 0.75, "seed": 4},
 ]
 
 
