@@ -354,7 +354,10 @@ def test_no_model_serves_the_built_in_demo_checkpoint(tmp_path):
                                                                           "max_tokens=3")
         r = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
                            timeout=120, check=False)
-        assert r.returncode == 0 and "completion_tokens=3" in r.stdout, r.stderr[-2000:]
+        assert r.returncode == 0, r.stderr[-2000:]
+        # The demo model may end its text before the limit: 1-3 tokens, counted in usage.
+        used = re.search(r"completion_tokens=(\d+)", r.stdout)
+        assert used and 1 <= int(used.group(1)) <= 3, r.stdout
     finally:
         s.stop()
         s.cleanup_descendants()
