@@ -26,6 +26,11 @@ FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif
          "DejaVuSansMono-Bold.ttf", "DejaVuSans-BoldOblique.ttf", "DejaVuSerif-BoldItalic.ttf",
          "DejaVuSansMono-Oblique.ttf", "DejaVuSansCondensed-Bold.ttf",
          "DejaVuSerifCondensed.ttf", "DejaVuSans-ExtraLight.ttf"]
+# How training cuts its strips: the layout step's settings when the shipped phases 4-6 were
+# trained (pieces up to 420 px, 6-px margin, word gaps from a quarter of the ink height),
+# kept here so the recipe draws what it drew. `triptych ocr` has since cut shorter pieces
+# (jobs/layout.py: read better on the dev set); training on those is another recipe.
+CUT = {"max_width": 420, "margin": 6, "word_gap": 0.25}
 
 
 def faces() -> list[str | None]:
@@ -114,7 +119,7 @@ def sample(rng: random.Random, max_chars: int, columns: list[list[list[int]]] | 
                           y0 + asc + desc + rng.randint(2, 30))
         ImageDraw.Draw(img).text((x0 - min(left, 0), y0), line, font=font, fill=fg)
         norm = layout.normalise(_degrade(rng, img))
-        found = layout.find_lines(norm)
+        found = layout.find_lines(norm, CUT["max_width"], CUT["word_gap"])
         if len(found) != 1:
             continue
         (ln,) = found
@@ -126,12 +131,12 @@ def sample(rng: random.Random, max_chars: int, columns: list[list[list[int]]] | 
         if not keep:
             continue
         ref = line[keep[0]:keep[-1] + 1].strip()
-        strip = layout.strip(norm, ln, piece)
+        strip = layout.strip(norm, ln, piece, CUT["margin"])
         if columns is not None:
             row: list[list[int]] = [[] for _ in range(strip.width // render.ROW)]
             for i in keep:
                 if line[i] != " " and line[i] in render.CHARSET:
-                    x = layout.MARGIN + (centres[i] - piece[0]) * ln.scale
+                    x = CUT["margin"] + (centres[i] - piece[0]) * ln.scale
                     row[min(max(int(x // render.ROW), 0), len(row) - 1)].append(
                         render.CHARSET.index(line[i]))
             columns.append(row)

@@ -155,13 +155,14 @@ def _bands(profile: np.ndarray) -> list[tuple[int, int]]:
     return merged
 
 
-def _pieces(cols: np.ndarray, height: int, max_width: float) -> tuple[tuple[int, int], ...]:
-    """Column ranges of one line's ink, split at word gaps (blank runs at least WORD_GAP of
-    the ink height) so that each is at most ``max_width`` px wide where gaps allow."""
+def _pieces(cols: np.ndarray, height: int, max_width: float, word_gap: float
+            ) -> tuple[tuple[int, int], ...]:
+    """Column ranges of one line's ink, split at word gaps (blank runs at least ``word_gap``
+    of the ink height) so that each is at most ``max_width`` px wide where gaps allow."""
     runs = _runs(cols > 0)
     words: list[list[int]] = []
     for a, b in runs:
-        if words and a - words[-1][1] < max(2, height * WORD_GAP):
+        if words and a - words[-1][1] < max(2, height * word_gap):
             words[-1][1] = b
         else:
             words.append([a, b])
@@ -174,8 +175,12 @@ def _pieces(cols: np.ndarray, height: int, max_width: float) -> tuple[tuple[int,
     return tuple((a, b) for a, b in pieces)
 
 
-def find_lines(norm: np.ndarray) -> list[Line]:
-    """The text lines of a normalised page (``normalise``), in reading order."""
+def find_lines(norm: np.ndarray, max_width: float | None = None,
+               word_gap: float | None = None) -> list[Line]:
+    """The text lines of a normalised page (``normalise``), in reading order; pieces up to
+    ``max_width`` (MAX_WIDTH) strip pixels, split at gaps of ``word_gap`` (WORD_GAP)."""
+    max_width = MAX_WIDTH if max_width is None else max_width
+    word_gap = WORD_GAP if word_gap is None else word_gap
     ink = ink_mask(norm)
     lines = []
     for top, bottom in _bands(ink.sum(axis=1)):
@@ -188,23 +193,26 @@ def find_lines(norm: np.ndarray) -> list[Line]:
         base = top + int(np.nonzero(profile >= 0.35 * profile.max())[0][-1]) + 1
         xs = np.nonzero(cols)[0]
         h = base - t
-        pieces = _pieces(cols, h, MAX_WIDTH * h / (BASELINE - TOP))
+        pieces = _pieces(cols, h, max_width * h / (BASELINE - TOP), word_gap)
         lines.append(Line(top, bottom, t, base, int(xs[0]), int(xs[-1]) + 1, pieces))
     return lines
 
 
-def strip(norm: np.ndarray, line: Line, piece: tuple[int, int]) -> Any:
+def strip(norm: np.ndarray, line: Line, piece: tuple[int, int], margin: int | None = None
+          ) -> Any:
     """One piece of a line as the model reads it: a LINE_HEIGHT-px-high RGB strip, the ink
-    top on row TOP and the baseline on row BASELINE, MARGIN px of background before it,
+    top on row TOP and the baseline on row BASELINE, ``margin`` (MARGIN) px of background
+    before it,
     width a multiple of LINE_HEIGHT; contrast stretched so the darkest ink is black; rows
     and columns of other lines and pieces blanked."""
     from PIL import Image
 
     s = line.scale
-    width = -(-(round((piece[1] - piece[0]) * s) + 2 * MARGIN) // LINE_HEIGHT) * LINE_HEIGHT
+    margin = MARGIN if margin is None else margin
+    width = -(-(round((piece[1] - piece[0]) * s) + 2 * margin) // LINE_HEIGHT) * LINE_HEIGHT
     # The strip's source region in page pixels (edges, fractional): the ink top edge maps
-    # to row TOP, the baseline to row BASELINE, the piece's left edge to column MARGIN.
-    sx0, sy0 = piece[0] - MARGIN / s, line.ink_top - TOP / s
+    # to row TOP, the baseline to row BASELINE, the piece's left edge to column margin.
+    sx0, sy0 = piece[0] - margin / s, line.ink_top - TOP / s
     sx1, sy1 = sx0 + width / s, sy0 + LINE_HEIGHT / s
     ix0, iy0, ix1, iy1 = int(sx0) - 2, int(sy0) - 2, int(sx1) + 2, int(sy1) + 2
     crop = np.ones((iy1 - iy0, ix1 - ix0), dtype=np.float32)  # background beyond the page

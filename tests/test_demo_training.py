@@ -230,3 +230,24 @@ def test_training_on_the_gpu(tmp_path) -> None:
     assert result["phases"][0]["device"] == "cuda"
     assert 0 <= result["heldout_cer"]
 
+
+
+def test_training_strips_do_not_follow_the_ocr_layout_settings(monkeypatch) -> None:
+    """Training cuts its strips with the settings the shipped phases were trained with
+    (augment.CUT), so retuning `triptych ocr`'s layout step leaves the recipe's draw as it
+    was (it once moved every phase from step ~1: the data changed under the recipe)."""
+    from triptych.demo import augment
+    from triptych.jobs import layout
+
+    def draw() -> list[tuple[bytes, str, list]]:
+        rng, out = random.Random(3), []
+        for _ in range(12):
+            cols: list = []
+            img, text = augment.sample(rng, 40, columns=cols)
+            out.append((img.tobytes(), text, cols))
+        return out
+
+    before = draw()
+    for name, value in (("MAX_WIDTH", 120), ("MARGIN", 2), ("WORD_GAP", 0.9)):
+        monkeypatch.setattr(layout, name, value)
+    assert draw() == before
