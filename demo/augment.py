@@ -21,7 +21,7 @@ from typing import Any
 from triptych.demo import render
 from triptych.jobs import layout
 
-_DIR = "/usr/share/fonts/truetype/dejavu"
+_DIR = render.DEJAVU_DIR
 FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif-Bold.ttf",
          "DejaVuSansMono-Bold.ttf", "DejaVuSans-BoldOblique.ttf", "DejaVuSerif-BoldItalic.ttf",
          "DejaVuSansMono-Oblique.ttf", "DejaVuSansCondensed-Bold.ttf",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SEED, DEV_SEED = 35_0001, 35_0002
-_DIR = "/usr/share/fonts/truetype/dejavu"
+_DIR = "/usr/share/fonts/truetype/dejavu"  # render.DEJAVU_DIR (render imports this module)
 # (name, file or None for Pillow's default font); the starred faces are never used in
 # training (demo/render.py, demo/augment.py).
 FONTS = [("default", None), ("DejaVu Sans", "DejaVuSans.ttf"),

@@ -17,8 +17,8 @@ ROW = 28  # pixels per merged vision token (patch 14 x spatial merge 2)
 CHARSET = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
            " .,;:!?'\"-()/&%$#+=@*")
 _DEJAVU = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf"]
-_FONT_DIRS = ["/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu",
-              "/usr/share/fonts/TTF"]
+DEJAVU_DIR = "/usr/share/fonts/truetype/dejavu"  # Debian/Ubuntu's fonts-dejavu-core
+_FONT_DIRS = [DEJAVU_DIR, "/usr/share/fonts/dejavu", "/usr/share/fonts/TTF"]
 _WORDS = [
     "the", "of", "and", "to", "in", "is", "was", "that", "for", "it", "with", "as", "on", "be",
     "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they",
@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     screenshot in a face the training never prints (DejaVu Sans Bold, 24 px: demo/heldout.py's
     renderer, not this module's; Pillow's default font where DejaVu is missing)."""
     import argparse
-    import os
     import sys
 
     from triptych.demo import heldout
@@ -258,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     face = None if a.font == "default" else a.font
-    if face is not None and not os.path.exists(os.path.join(heldout._DIR, face)):
-        print(f"{face} not found in {heldout._DIR}: Pillow's default font instead",
+    if face is not None and not os.path.exists(os.path.join(DEJAVU_DIR, face)):
+        print(f"{face} not found in {DEJAVU_DIR}: Pillow's default font instead",
               file=sys.stderr)
         face = None
     lines = a.lines or [heldout.sample_text(rng, 28) for _ in range(a.lines_count)]
