@@ -11,9 +11,10 @@ latencies, and per engine request (prompt) its prompt tokens and cache accountin
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
 from triptych.api.engine_metrics import EngineCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -47,11 +48,32 @@ class RequestTimes:
         self.finished = [False] * n
 
 
+# Families that answer "has anyone sent this content?": the caches tenants share by content
+# (processor and encoder cache: hits, queries, bytes held; a probe image's hit, or the bytes
+# that did not grow, says someone sent it). Only the operator's view holds them.
+SHARED_CACHE_FAMILIES = ("triptych:mm_processor_cache", "triptych:mm_cache",
+                         "triptych:encoder_cache")
+
+
+class TenantView:
+    """The registry without SHARED_CACHE_FAMILIES: what /metrics shows a tenant's key (or
+    no key) on a server with API keys (docs/tenancy.md)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not family.name.startswith(SHARED_CACHE_FAMILIES):
+                yield family
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], dict[str, float]], model_name: str = "",
                  max_model_len: int = 8192, cache_info: dict[str, str] | None = None,
                  mm_items: Callable[[], int] = lambda: 0) -> None:
         self.registry = r = CollectorRegistry()
+        self.tenant_view = TenantView(r)
         self.mm_items = mm_items  # images/videos P0 processed (the processor cache's queries)
         r.register(EngineCollector(stats, model_name, self._local, cache_info or {}))
         lab, self._values = ["model_name", "engine"], [model_name, "0"]

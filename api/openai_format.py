@@ -8,8 +8,11 @@ choice per chunk, each with its own ``finish_reason``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
+import secrets
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +20,12 @@ from triptych.worker import wire
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
 MAX_MESSAGE_CHARS = 500
+# the JSON of whole responses, as starlette's JSONResponse writes it
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False,
+                           separators=(",", ":"))
+# tokenizer -> {token id: its text}: logprobs name up to 21 tokens per output token, and a
+# tokenizer's decode of one id is the same every time
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 def safe_message(message: str) -> str:
@@ -32,20 +41,35 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 @dataclass
 class Choice:
-    """One completion, accumulated from deltas (non-streaming responses)."""
+    """One completion, accumulated from deltas (non-streaming responses). Its logprobs are
+    kept as JSON text, rendered delta by delta as they arrive (``Formatter.add``): a whole
+    answer's are then joined, not built. n=16 x 1,500 tokens x 20 alternatives is ~35 MB of
+    JSON; built in one go from Python dicts it held P0's event loop for seconds and took
+    ~250 MB, here it costs a few ms between engine steps and its own size in memory."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # the logprobs object's lists, as JSON items: chat "content"; completions "tokens",
+    # "token_logprobs", "top_logprobs", "text_offset" (parallel)
+    lp_items: dict[str, list[str]] = field(default_factory=dict)
+    text_chars: int = 0  # completions: characters of the tokens so far (text_offset)
 
     def add(self, c: wire.CompletionDelta) -> None:
         self.text += c.text
         self.token_ids += c.token_ids
-        self.logprobs += c.logprobs or []
         self.finish_reason = c.finish_reason or self.finish_reason
         self.stop_reason = c.stop_reason if c.stop_reason is not None else self.stop_reason
+
+    def logprobs_json(self, head: dict[str, list] | None = None) -> str:
+        """The logprobs object as JSON; ``head``: lists put first (the echoed prompt's)."""
+        parts = []
+        for key, items in self.lp_items.items():
+            first = _dumps(head[key])[1:-1] if head else ""
+            body = ",".join(x for x in (first, *items) if x)
+            parts.append(f"{_dumps(key)}:[{body}]")
+        return "{" + ",".join(parts) + "}"
 
 
 @dataclass
@@ -80,7 +104,16 @@ class Formatter:
 
     # -- pieces ---------------------------------------------------------------------------
     def _token(self, tid: int) -> str:
-        return f"token_id:{tid}" if self.s.tokens_as_ids else self.tok.decode([tid])
+        if self.s.tokens_as_ids:
+            return f"token_id:{tid}"
+        try:
+            texts = _TOKEN_TEXTS.setdefault(self.tok, {})
+        except TypeError:  # (a tokenizer that takes no weak reference: no cache)
+            return self.tok.decode([tid])
+        text = texts.get(tid)
+        if text is None:
+            text = texts[tid] = self.tok.decode([tid])
+        return text
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict:
         # Each dict holds the top-k ids plus the sampled one (which may be outside them).
@@ -159,22 +192,47 @@ class Formatter:
                 "cache_read_input_tokens": cached}
 
     # -- whole responses ------------------------------------------------------------------
-    def whole(self, prompts: list[PromptInfo], choices: list[Choice]) -> dict:
+    def add(self, choice: Choice, c: wire.CompletionDelta, prompt: PromptInfo) -> None:
+        """One delta into ``choice``, its logprobs rendered now (see Choice)."""
+        choice.add(c)
+        if self.s.logprobs is None:
+            return
+        if self.s.chat:
+            lp = self.chat_logprobs(c.token_ids, c.logprobs or [])
+        else:
+            lp = self.completion_logprobs(c.token_ids, c.logprobs or [],
+                                          len(prompt.echo) + choice.text_chars)
+            choice.text_chars += sum(len(t) for t in lp["tokens"])
+        for key, values in lp.items():
+            items = choice.lp_items.setdefault(key, [])
+            if values:
+                items.append(_dumps(values)[1:-1])
+
+    def whole(self, prompts: list[PromptInfo], choices: list[Choice]) -> str:
+        """The whole response's JSON text (its logprobs joined from what ``add`` rendered)."""
+        nonce = secrets.token_hex(8)  # marks where each choice's logprobs JSON goes
+        spliced: dict[str, str] = {}
         out: list[dict[str, Any]] = []
         for i, c in enumerate(choices):
             p = prompts[i // self.s.n]
             ch: dict[str, Any] = {"index": i}
+            lp = None
+            if self.s.logprobs is not None:
+                # the echoed prompt's tokens come first (completions with echo + logprobs)
+                head = self.echo_logprobs(p) if not self.s.chat and p.echo and \
+                    p.prompt_logprobs is not None else None
+                if not c.lp_items:  # (no token arrived)
+                    keys = ("content",) if self.s.chat else \
+                        ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                    c.lp_items = {k: [] for k in keys}
+                lp = f"\0{nonce}:{i}\0"
+                spliced[_dumps(lp)] = c.logprobs_json(head)
             if self.s.chat:
                 ch["message"] = {"role": "assistant", "content": p.echo + c.text}
-                ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs)
-                                  if self.s.logprobs is not None else None)
+                ch["logprobs"] = lp
             else:
                 ch["text"] = p.echo + c.text
-                ch["logprobs"] = (self.completion_logprobs(c.token_ids, c.logprobs, len(p.echo))
-                                  if self.s.logprobs is not None else None)
-                if ch["logprobs"] is not None and p.echo and p.prompt_logprobs is not None:
-                    head = self.echo_logprobs(p)  # the echoed prompt's tokens come first
-                    ch["logprobs"] = {key: head[key] + ch["logprobs"][key] for key in head}
+                ch["logprobs"] = lp
                 if self.s.prompt_logprobs:
                     ch["prompt_logprobs"] = self.prompt_logprobs(p.prompt_logprobs)
                 if self.s.token_ids:
@@ -190,7 +248,10 @@ class Formatter:
             body["prompt_token_ids"] = prompts[0].token_ids
         if self.s.chat and self.s.prompt_logprobs:
             body["prompt_logprobs"] = self.prompt_logprobs(prompts[0].prompt_logprobs)
-        return body
+        text = _dumps(body)
+        for mark, lp_json in spliced.items():
+            text = text.replace(mark, lp_json, 1)
+        return text
 
     # -- streams --------------------------------------------------------------------------
     def sse(self, choices: list[dict], usage: dict | None = None, **extra: Any) -> str:

@@ -1,7 +1,14 @@
-"""From a validated request body to engine jobs: admission, media fetching, the processor
-(chat template, tokenizer, images and videos, in a worker thread), truncation, sampling
-parameters. Cheap checks come first (api/request_checks.py), so a request that will be
-refused costs no fetch, no decode and no tokenization.
+"""From a request body to engine jobs, in this order:
+
+    1. the validation pass (api/request_checks.py): refusals and cost bounds, no work
+    2. the structured-output compile check (P0's bounded compile processes)
+    3. admission (api/admission.py): engine sequences held, per tenant
+    4. media fetched (http(s) on their own pool), then the processor: chat template,
+       tokens, images and videos (off the event loop)
+    5. truncation, the context-length check, the sampling parameters
+
+Preparation reads only the checked request; the refusals it can still make are those that
+need the work itself (undecodable media, a rendered prompt longer than the context).
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+from triptych.api.admission import Admission, Slots
 from triptych.api.errors import APIError
 from triptych.api.grammar_check import GrammarChecker
 from triptych.api.media.decode import MediaError, PixelBudget
@@ -18,25 +26,17 @@ from triptych.api.openai_format import PromptInfo
 from triptych.api.processor import InputProcessor
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import (
+    CheckedRequest,
     ServerLimits,
     check_chat,
     check_completion,
-    media_limits,
     sampling_params,
-    template_kwargs,
 )
 from triptych.api.sampling_checks import context_error
-from triptych.api.serving import Admission, Job, Slots
+from triptych.api.serving import Job
 from triptych.api.structured import check_structured
-from triptych.api.tenancy import cache_scope
 from triptych.api.truncation import keep_count, truncate
 from triptych.router.prompt import ProcessedPrompt
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "\n".join(p.text for p in content or [] if p.type == "text")
 
 
 def _mm_tokens(prompt: ProcessedPrompt) -> dict[str, int]:
@@ -57,10 +57,11 @@ class InputStage:
                                        limits.grammar_compile_procs,
                                        limits.grammar_compile_timeout_s)
 
-    def _admit(self, k: int) -> Slots:
+    async def _admit(self, checked: CheckedRequest, tenant: str | None) -> Slots:
+        await check_structured(checked.structured, checked.body, self.grammars, tenant)
         if not self.alive():
             raise APIError(503, "the engine is not running", "server_error")
-        return self.admission.reserve(k)
+        return self.admission.reserve(checked.sequences, tenant)
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         from jinja2 import TemplateError
@@ -73,78 +74,70 @@ class InputStage:
             raise APIError(400, f"the chat template refused the messages: {e}",
                            param="messages") from None
 
-    def _finish(self, body: Any, prompt: ProcessedPrompt, logprobs: int | None, param: str,
-                scope: str) -> tuple[ProcessedPrompt, Any]:
+    def _job(self, checked: CheckedRequest, prompt: ProcessedPrompt, echo: str) -> Job:
         """Truncate if asked, check the length, build the sampling parameters (which carry
         the request's cache scope to every pool's prefix cache)."""
+        body = checked.body
         if body.truncate_prompt_tokens is not None:
             keep = keep_count(body.truncate_prompt_tokens, self.limits.max_model_len,
                               body.requested_max_tokens[1])
             prompt = truncate(prompt, keep, body.truncation_side or "left")
         n = len(prompt.prompt_token_ids)
         if n >= self.limits.max_model_len:  # (the processor checks it when not truncating)
-            raise context_error(self.limits.max_model_len, n, None,
-                                isinstance(body, ChatCompletionRequest), param)
+            raise context_error(self.limits.max_model_len, n, None, checked.chat,
+                                "messages" if checked.chat else "prompt")
         self.num_mm_items += len(prompt.mm_items)
-        sp = sampling_params(body, n, self.limits, logprobs)
-        sp.cache_salt = scope or None
-        return prompt, sp
+        sp = sampling_params(checked, n, self.limits)
+        info = PromptInfo(prompt.prompt_token_ids, echo=echo, mm_tokens=_mm_tokens(prompt))
+        return Job(prompt, sp, info)
+
+    def _view(self, checked: CheckedRequest) -> InputProcessor:
+        media = checked.media
+        if media is not None:  # this request's pixel budget
+            media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
+        return self.processor.for_request(media, checked.body.truncate_prompt_tokens is None,
+                                          checked.scope)
 
     async def chat(self, body: ChatCompletionRequest, tenant: str | None = None
                    ) -> tuple[list[Job], Slots]:
         """``tenant``: the API key's (None: anonymous); with the body's ``cache_salt`` it
         scopes the request's uuids and prefix cache (api/tenancy.py)."""
-        check_chat(body, self.limits)
-        scope = cache_scope(tenant, body.cache_salt)
-        await check_structured(body, self.grammars, tenant, self.limits.max_structured_depth)
-        messages = body.message_dicts()
-        media = media_limits(body, self.limits.media)
-        media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
-        view = self.processor.for_request(media, body.truncate_prompt_tokens is None, scope)
-        add_generation = body.add_generation_prompt
-        if add_generation is None:
-            add_generation = not body.continue_final_message
-        kwargs = template_kwargs(body)
-        last = body.messages[-1]
-        echo = _text(last.content) if body.echo and last.role == "assistant" else ""
-        slots = self._admit(1)
+        checked = check_chat(body, self.limits, tenant)
+        slots = await self._admit(checked, tenant)
         try:
+            view = self._view(checked)
             try:
-                await self.fetcher.prefetch(messages, media)
+                await self.fetcher.prefetch(checked.messages, view.media)
             except MediaError as e:
                 raise APIError(400, str(e), param=e.param or "messages") from None
             prompt = await self._run(lambda: view.process_chat(
-                messages, add_generation_prompt=add_generation,
+                checked.messages, add_generation_prompt=checked.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                chat_template_kwargs=kwargs))
-            prompt, sp = self._finish(body, prompt, (body.top_logprobs or 0)
-                                      if body.logprobs else None, "messages", scope)
+                chat_template_kwargs=checked.template_kwargs))
+            job = self._job(checked, prompt, checked.echo)
         except BaseException:
             slots.release_all()
             raise
-        info = PromptInfo(prompt.prompt_token_ids, echo=echo, mm_tokens=_mm_tokens(prompt))
-        return [Job(prompt, sp, info)], slots
+        return [job], slots
 
     async def completion(self, body: CompletionRequest, tenant: str | None = None
                          ) -> tuple[list[Job], Slots]:
-        """As ``chat``."""
-        check_completion(body, self.limits)
-        scope = cache_scope(tenant, body.cache_salt)
-        await check_structured(body, self.grammars, tenant, self.limits.max_structured_depth)
-        prompts = body.prompts()
-        view = self.processor.for_request(None, body.truncate_prompt_tokens is None, scope)
-        decode = self.processor.tokenizer.decode
-        slots = self._admit(len(prompts))
+        """As ``chat``; one job per prompt."""
+        checked = check_completion(body, self.limits, tenant)
+        slots = await self._admit(checked, tenant)
         try:
-            processed = await self._run(lambda: [view.process_prompt(p) for p in prompts])
+            view = self._view(checked)
+            processed = await self._run(
+                lambda: [view.process_prompt(p) for p in checked.prompts])
+            decode = self.processor.tokenizer.decode
             jobs = []
-            for p, pp in zip(prompts, processed):
-                pp, sp = self._finish(body, pp, body.logprobs, "prompt", scope)
-                echo = ""
+            for p, pp in zip(checked.prompts, processed):
+                job = self._job(checked, pp, "")
                 if body.echo:  # the prompt as given, or as kept after truncation
-                    echo = p if isinstance(p, str) and pp.prompt_text is not None else \
-                        decode(pp.prompt_token_ids)
-                jobs.append(Job(pp, sp, PromptInfo(pp.prompt_token_ids, echo=echo)))
+                    kept = job.prompt
+                    job.info.echo = p if isinstance(p, str) and kept.prompt_text is not None \
+                        else decode(kept.prompt_token_ids)
+                jobs.append(job)
         except BaseException:
             slots.release_all()
             raise

@@ -5,13 +5,18 @@ a server flag live in api/request_checks.py.
 
 Every float must be finite (NaN / Infinity are refused: they would reach the sampler) and
 every int fits the msgpack wire (int64). Unknown top-level fields are ignored, as vLLM and
-OpenAI's SDKs expect. Responses are plain dicts in OpenAI's shapes (api/openai_format.py).
+OpenAI's SDKs expect. Rules that read several fields of the body and nothing else live here
+too (``_body_rules``), each refusal located at the field it names, as pydantic's own are:
+the body is then consistent before the server-aware pass (api/request_checks.py) sees it.
+Responses are plain dicts in OpenAI's shapes (api/openai_format.py).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import model_validator, AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from triptych.engine.beam_search import MAX_BEAM_WIDTH
 
 INT32 = 2**31 - 1  # bound on counts (they must also fit the msgpack wire)
 INT64 = 2**63 - 1
@@ -35,6 +40,14 @@ def _utf8(s: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=INT32)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def field_error(model: str, name: str, message: str, value: Any = None) -> ValidationError:
+    """A refusal found by a rule that reads several fields, located at the field it names
+    (so the 400's ``param`` is that field, as for pydantic's own errors)."""
+    err = PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}"))
+    return ValidationError.from_exception_data(
+        model, [InitErrorDetails(type=err, loc=tuple(name.split(".")), input=value)])
 
 
 class _Model(BaseModel):
@@ -155,6 +168,25 @@ class _Common(_Model):
     bad_words: Any = None
     kv_transfer_params: Any = None
 
+    @model_validator(mode="after")
+    def _body_rules(self) -> _Common:
+        model = type(self).__name__
+        if self.stream_options is not None and not self.stream:
+            raise field_error(model, "stream_options",
+                              "stream_options can only be given with stream=true")
+        if self.use_beam_search and self.n > MAX_BEAM_WIDTH:
+            raise field_error(model, "n", f"n is the beam width with use_beam_search: at most "
+                                          f"{MAX_BEAM_WIDTH}", self.n)
+        name, max_tokens = self.requested_max_tokens
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise field_error(model, "min_tokens", f"min_tokens ({self.min_tokens}) is larger "
+                                                   f"than {name} ({max_tokens})", self.min_tokens)
+        return self
+
+    @property
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
@@ -172,6 +204,27 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        model = type(self).__name__
+        if self.top_logprobs and not self.logprobs:
+            raise field_error(model, "top_logprobs", "top_logprobs needs logprobs=true",
+                              self.top_logprobs)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise field_error(model, "continue_final_message", "continue_final_message and "
+                              "add_generation_prompt cannot both be true")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and
+                                          getattr(m, "tool_calls", None)):
+                raise field_error(model, f"messages.{i}.content", f"a {m.role[:64]} message "
+                                  "needs content (a string or a list of parts)")
+        last = self.messages[-1].content
+        if self.continue_final_message and isinstance(last, list) and \
+                (not last or last[-1].type != "text"):
+            raise field_error(model, "continue_final_message", "the final message must end "
+                                                               "with text to be continued")
+        return self
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template and the processor read them."""
@@ -204,7 +257,3 @@ class CompletionRequest(_Common):
         if p and isinstance(p[0], int):
             return [p]  # one token-id prompt
         return list(p)
-
-    @property
-    def requested_max_tokens(self) -> tuple[str, int | None]:
-        return "max_tokens", self.max_tokens

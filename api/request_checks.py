@@ -1,10 +1,31 @@
-"""Checks that span fields, need the model's vocabulary or name a server flag, run before any
-work is done for a request (no media fetched, nothing tokenized), and the mapping from a
-request body to the engine's SamplingParams.
+"""The validation pass: one pass over a request as sent, after its schema and body rules
+(api/protocol.py) and before any work is done for it, that refuses what the server will not
+serve and bounds what serving the rest costs.
 
-Each refusal is a 400 naming the field (``param``) and the problem. Features the engine does
-not have are refused by name rather than silently ignored: a vLLM client that sends
-``logits_processors`` learns that it did not get them.
+    body (pydantic: types, ranges, rules between fields)
+      -> check_chat / check_completion (this module: the server's flags, the vocabulary,
+         the chat template's own size) -> CheckedRequest
+      -> preparation (api/prepare.py): compile, admission, media, template, tokens
+      -> sampling_params(checked, prompt length)
+
+Every refusal is a 400 naming the field (``param``), the problem and the flag that sets the
+limit. Nothing here fetches, decodes, renders or tokenises: a request refused costs a walk
+over its body. Bounded here, from the body alone:
+
+- text: the characters of every message and part, plus what the chat template writes
+  around each message (api/template_cost.py), plus one per message and part (each costs
+  the template a loop turn) -- at most ``--max-prompt-chars``;
+- tokens: the special tokens the template writes around the messages are a lower bound
+  of the prompt's length: past ``max_model_len`` the request is refused now, as it would
+  be after rendering (unless it asks for truncation);
+- output: ``n`` x prompts engine sequences (what admission counts), stop strings, logit
+  bias and the n-gram guard's whitelist (each id inside the vocabulary, so a list holds
+  at most the vocabulary), media per prompt (``limit_mm_per_prompt``) and their caps;
+- structured output: parsed and its nesting bounded (compiled next, in P0's bounded
+  compile processes).
+
+Features the engine does not have are refused by name rather than silently ignored: a vLLM
+client that sends ``logits_processors`` learns that it did not get them.
 """
 from __future__ import annotations
 
@@ -19,8 +40,10 @@ from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
 from triptych.api.structured import structured_outputs
-from triptych.engine.beam_search import MAX_BEAM_WIDTH
+from triptych.api.template_cost import TemplateCost
+from triptych.api.tenancy import cache_scope
 from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.structured_params import StructuredOutputsParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
 # come in through chat_template_kwargs.
@@ -30,6 +53,7 @@ _RESERVED_TEMPLATE_KWARGS = {
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "processor_kwargs"}
 _MAX_TEMPLATE_KWARGS = 32
+Body = ChatCompletionRequest | CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -46,10 +70,36 @@ class ServerLimits:
     max_structured_depth: int = 64  # --max-structured-depth: JSON nesting of a schema
     grammar_compile_timeout_s: float = 10.0  # --grammar-compile-timeout
     grammar_compile_procs: int = 2  # --grammar-compile-procs
+    template: TemplateCost = field(default_factory=TemplateCost)  # the chat template's size
 
     @property
     def prompt_chars(self) -> int:
         return self.max_prompt_chars or 20 * self.max_model_len
+
+
+@dataclass
+class CheckedRequest:
+    """A request that passed the validation pass: everything preparation needs, checked,
+    and what serving it costs, bounded. Preparation reads this, not the body's raw fields."""
+
+    body: Body
+    scope: str  # what its uuids and prefix-cache blocks live under (tenant + cache_salt)
+    sequences: int  # engine sequences it holds while it runs: prompts x n (admission)
+    logprobs: int | None  # top alternatives per output token; None: none asked for
+    structured: StructuredOutputsParams | None  # parsed and depth-checked, compiled next
+    logit_bias: dict[int, float] | None
+    ngram: dict[str, Any]  # the n-gram guard's SamplingParams fields
+    messages: list[dict] = field(default_factory=list)  # chat: as the processor reads them
+    media: MediaLimits | None = None  # chat: the server's caps, lowered by the request
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    echo: str = ""  # chat: the final assistant message's text, put before the answer
+    min_prompt_tokens: int = 0  # a lower bound of the rendered prompt's length
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.body, ChatCompletionRequest)
 
 
 def _is_set(v: Any) -> bool:
@@ -74,8 +124,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_common(body: ChatCompletionRequest | CompletionRequest, limits: ServerLimits
-                 ) -> None:
+def _check_common(body: Body, limits: ServerLimits, num_prompts: int, tenant: str | None
+                  ) -> CheckedRequest:
     for name, (asks, why) in _UNSUPPORTED.items():
         if name in type(body).model_fields and asks(getattr(body, name)):
             raise bad_request(name, why)
@@ -84,21 +134,10 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
                                "completions per request (--max-n)")
     if body.best_of is not None:
         if body.best_of > limits.max_n:
-            raise bad_request("best_of", f"best_of is {body.best_of} but this server allows at "
-                                         f"most {limits.max_n} (--max-n)")
+            raise bad_request("best_of", f"best_of is {body.best_of} but this server allows "
+                                         f"at most {limits.max_n} (--max-n)")
         if body.best_of != body.n:
             raise bad_request("best_of", "best_of different from n is not supported")
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options", "stream_options can only be given with stream=true")
-    if not math.isfinite(body.length_penalty):
-        raise bad_request("length_penalty", "length_penalty must be a finite number")
-    if body.use_beam_search and body.n > MAX_BEAM_WIDTH:
-        raise bad_request("n", f"n is the beam width with use_beam_search: at most "
-                               f"{MAX_BEAM_WIDTH}")
-    name, max_tokens = body.requested_max_tokens
-    if max_tokens is not None and body.min_tokens > max_tokens:
-        raise bad_request("min_tokens", f"min_tokens ({body.min_tokens}) is larger than "
-                                        f"{name} ({max_tokens})")
     t = body.truncate_prompt_tokens
     if t is not None and t > limits.max_model_len:
         raise bad_request("truncate_prompt_tokens", f"truncate_prompt_tokens is {t}, larger "
@@ -107,73 +146,86 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
         if tid >= limits.vocab_size:
             raise bad_request("stop_token_ids", f"stop token id {tid} is outside the "
                                                 f"vocabulary [0, {limits.vocab_size})")
-    logit_bias(body, limits.vocab_size)
-    ngram_guard(body)
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    return CheckedRequest(
+        body, cache_scope(tenant, body.cache_salt), num_prompts * body.n, logprobs,
+        structured_outputs(body, limits.max_structured_depth),
+        logit_bias(body, limits.vocab_size), ngram_guard(body, limits.vocab_size))
 
 
-def _text_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(p.text) for p in content or [] if getattr(p, "type", "") == "text")
-
-
-def _check_chars(n: int, limits: ServerLimits) -> None:
-    # NOTE: before tokenization, so a huge prompt costs a length check, not seconds of BPE.
+def _check_chars(n: int, limits: ServerLimits, param: str, what: str) -> None:
+    # NOTE: before any rendering or tokenization: a huge prompt costs a walk, not seconds.
     if n > limits.prompt_chars:
-        raise bad_request("prompt", f"the prompt has {n} characters; this server takes at "
-                                    f"most {limits.prompt_chars} (--max-prompt-chars)")
+        raise bad_request(param, f"the {what} {n} characters; this server takes at most "
+                                 f"{limits.prompt_chars} (--max-prompt-chars)")
 
 
-def check_chat(body: ChatCompletionRequest, limits: ServerLimits) -> None:
-    check_common(body, limits)
-    if body.top_logprobs and not body.logprobs:
-        raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise bad_request("continue_final_message", "continue_final_message and "
-                                                    "add_generation_prompt cannot both be true")
+def check_chat(body: ChatCompletionRequest, limits: ServerLimits, tenant: str | None = None
+               ) -> CheckedRequest:
+    """The validation pass of a chat request (``tenant``: its API key's; None: anonymous)."""
     if body.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice", "tool calling is not supported")
+    checked = _check_common(body, limits, 1, tenant)
     kinds = {"image": 0, "video": 0}
     chars = 0
-    for i, m in enumerate(body.messages):
-        if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
-            raise bad_request(f"messages.{i}.content", f"a {m.role} message needs content "
-                                                       "(a string or a list of parts)")
-        chars += _text_chars(m.content)
+    for m in body.messages:
+        chars += 1
+        if isinstance(m.content, str):
+            chars += len(m.content)
         for p in m.content if isinstance(m.content, list) else []:
-            if p.type != "text":
+            chars += 1
+            if p.type == "text":
+                chars += len(p.text)
+            else:
                 kinds[p.type[:5]] += 1
     chars += sum(len(v) for d in body.documents or [] for v in d.values())
-    if chars > limits.prompt_chars:
-        raise bad_request("messages", f"the messages hold {chars} characters; this server "
-                                      f"takes at most {limits.prompt_chars} (--max-prompt-chars)")
+    around = limits.template.bound(m.role for m in body.messages)
+    _check_chars(chars + around.chars, limits, "messages", "messages and the chat template "
+                                                             "around them make at least")
+    if around.tokens >= limits.max_model_len and body.truncate_prompt_tokens is None:
+        raise bad_request("messages", context_error(
+            limits.max_model_len, around.tokens, None, True, "messages").message +
+            f" (the chat template alone writes at least {around.tokens} tokens around "
+            f"{len(body.messages)} messages)")
     for kind, count in kinds.items():  # before any media is fetched
         if count > limits.limit_mm_per_prompt.get(kind, 0):
             raise bad_request("messages", f"{count} {kind}(s) in the prompt, but "
                                           f"limit_mm_per_prompt allows "
                                           f"{limits.limit_mm_per_prompt.get(kind, 0)} {kind}(s)")
-    if body.continue_final_message:
-        last = body.messages[-1].content
-        if isinstance(last, list) and (not last or last[-1].type != "text"):
-            raise bad_request("continue_final_message", "the final message must end with "
-                                                        "text to be continued")
-    template_kwargs(body)
-    media_limits(body, limits.media)
+    add_generation = body.add_generation_prompt
+    if add_generation is None:
+        add_generation = not body.continue_final_message
+    last = body.messages[-1]
+    echo = ""
+    if body.echo and last.role == "assistant":
+        echo = last.content if isinstance(last.content, str) else \
+            "\n".join(p.text for p in last.content or [] if p.type == "text")
+    return dataclasses.replace(
+        checked, messages=body.message_dicts(), media=media_limits(body, limits.media),
+        template_kwargs=template_kwargs(body), add_generation_prompt=add_generation,
+        echo=echo, min_prompt_tokens=around.tokens)
 
 
-def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
-    check_common(body, limits)
+def check_completion(body: CompletionRequest, limits: ServerLimits, tenant: str | None = None
+                     ) -> CheckedRequest:
+    """The validation pass of a completion request."""
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts:
         raise bad_request("prompt", f"{len(prompts)} prompts in one request; this server takes "
                                     f"at most {limits.max_prompts} (--max-pending-requests)")
-    _check_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits)
+    checked = _check_common(body, limits, len(prompts), tenant)
+    _check_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits, "prompt",
+                 "prompt has")
     bad = sorted({t for p in prompts if not isinstance(p, str) for t in p
                   if t >= limits.vocab_size})
     if bad:
         raise bad_request("prompt", f"prompt token ids out of vocabulary: "
                                     f"{some([str(t) for t in bad])} (the vocabulary is "
                                     f"[0, {limits.vocab_size}))")
+    return dataclasses.replace(checked, prompts=prompts)
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -230,8 +282,7 @@ def media_limits(body: ChatCompletionRequest, base: MediaLimits) -> MediaLimits:
     return dataclasses.replace(base, max_video_frames=frames, video_fps=fps)
 
 
-def prompt_logprobs(body: ChatCompletionRequest | CompletionRequest, logprobs: int | None
-                    ) -> int | None:
+def prompt_logprobs(body: Body, logprobs: int | None) -> int | None:
     """Top-k per prompt token: asked for, or implied by a completion's echo + logprobs (its
     logprobs then cover the echoed prompt too, as vLLM's do)."""
     if body.prompt_logprobs is not None:
@@ -241,14 +292,15 @@ def prompt_logprobs(body: ChatCompletionRequest | CompletionRequest, logprobs: i
     return None
 
 
-def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len: int,
-                    limits: ServerLimits, logprobs: int | None) -> SamplingParams:
-    """The engine's parameters for one prompt of this request."""
+def sampling_params(checked: CheckedRequest, prompt_len: int, limits: ServerLimits
+                    ) -> SamplingParams:
+    """The engine's parameters for one prompt of a checked request, once its length is
+    known (the output's room is what the context leaves)."""
+    body = checked.body
     name, requested = body.requested_max_tokens
     room = limits.max_model_len - prompt_len
     if requested is not None and requested > room:
-        raise context_error(limits.max_model_len, prompt_len, requested,
-                            isinstance(body, ChatCompletionRequest), name)
+        raise context_error(limits.max_model_len, prompt_len, requested, checked.chat, name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     try:
         return SamplingParams(
@@ -256,20 +308,20 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             seed=body.seed, max_tokens=requested or room, min_tokens=body.min_tokens,
             stop=stop or None, stop_token_ids=body.stop_token_ids or None,
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            ignore_eos=body.ignore_eos, logprobs=checked.logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=logit_bias(body, limits.vocab_size),
-            prompt_logprobs=prompt_logprobs(body, logprobs),
+            logit_bias=checked.logit_bias,
+            prompt_logprobs=prompt_logprobs(body, checked.logprobs),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None
             else body.repetition_penalty,
-            min_p=body.min_p or 0.0, **ngram_guard(body),
-            structured_outputs=structured_outputs(body))
+            min_p=body.min_p or 0.0, **checked.ngram,
+            structured_outputs=checked.structured, cache_salt=checked.scope or None)
     except ValueError as e:  # SamplingParams.verify: the same ranges, checked again
         raise APIError(400, str(e)) from None
 
 
-__all__ = ["ServerLimits", "check_chat", "check_completion", "context_error", "media_limits",
-           "sampling_params", "template_kwargs"]
+__all__ = ["CheckedRequest", "ServerLimits", "check_chat", "check_completion",
+           "media_limits", "sampling_params", "template_kwargs"]

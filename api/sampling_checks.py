@@ -48,9 +48,13 @@ _NGRAM_XARGS = {"ngram_size": "no_repeat_ngram_size", "window_size": "no_repeat_
                 "whitelist_token_ids": "no_repeat_ngram_whitelist"}
 
 
-def ngram_guard(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def ngram_guard(body: ChatCompletionRequest | CompletionRequest, vocab_size: int
+                ) -> dict[str, Any]:
     """The no-repeat n-gram guard's SamplingParams fields from ``vllm_xargs`` (vLLM's
-    names: ngram_size, window_size, whitelist_token_ids); other keys are refused by name."""
+    names: ngram_size, window_size, whitelist_token_ids); other keys are refused by name.
+    Whitelisted ids must lie inside the vocabulary; repeats are dropped, so the list the
+    engine keeps holds at most the vocabulary (3 M ids in a body are 3 M refusals' worth
+    of work for nothing)."""
     xargs = body.vllm_xargs or {}
     unknown = sorted(set(xargs) - set(_NGRAM_XARGS))
     if unknown:
@@ -62,9 +66,13 @@ def ngram_guard(body: ChatCompletionRequest | CompletionRequest) -> dict[str, An
         where = f"vllm_xargs.{key}"
         if key == "whitelist_token_ids":
             if not isinstance(value, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 2**31 - 1
-                    for t in value):
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
                 raise bad_request(where, f"{where} must be a list of token ids")
+            outside = sorted({t for t in value if t >= vocab_size})
+            if outside:
+                raise bad_request(where, f"{where} has ids outside the vocabulary [0, "
+                                         f"{vocab_size}): {some([str(t) for t in outside])}")
+            value = sorted(set(value))
         elif isinstance(value, bool) or not isinstance(value, int) or \
                 not 0 <= value <= 2**31 - 1:
             raise bad_request(where, f"{where} must be a non-negative integer")

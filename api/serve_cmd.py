@@ -55,9 +55,13 @@ def add_parser(subparsers: Any) -> None:
                         "users can read a command line: prefer --admin-api-key-file)")
     lim = p.add_argument_group("limits (each refusal names its flag)")
     lim.add_argument("--max-pending-requests", type=int, default=256,
-                     help="engine requests in flight beyond which new ones get 429 + "
-                          "Retry-After (also the most prompts one /v1/completions request "
-                          "may hold)")
+                     help="engine sequences in flight (a request holds n per prompt) beyond "
+                          "which new requests get 429 + Retry-After (also the most prompts "
+                          "one /v1/completions request may hold)")
+    lim.add_argument("--max-pending-share", type=float, default=0.5,
+                     help="most of --max-pending-requests one tenant holds at once, when "
+                          "--api-keys-file names several tenants (a tenant holding none is "
+                          "always let in); beyond it 429")
     lim.add_argument("--max-request-bytes", type=int, default=64 << 20,
                      help="largest request body, data URLs included; bigger ones get 413")
     lim.add_argument("--max-inflight-body-bytes", type=int, default=0,
@@ -76,7 +80,17 @@ def add_parser(subparsers: Any) -> None:
                           "body); beyond it 429")
     lim.add_argument("--limit-concurrency", type=int, default=1024,
                      help="uvicorn's limit_concurrency: open connections + tasks beyond "
-                          "which uvicorn answers 503 before reading anything")
+                          "which uvicorn answers 503 before reading anything (idle "
+                          "connections are capped below it: --max-idle-connections)")
+    lim.add_argument("--http-header-timeout", type=float, default=10.0,
+                     help="seconds a connection has to send a request's headers, from its "
+                          "opening or the end of its previous response; else it is closed")
+    lim.add_argument("--max-idle-connections", type=int, default=512,
+                     help="connections with no request in progress beyond which the oldest "
+                          "idle one is closed, so a new client always gets in")
+    lim.add_argument("--max-idle-connections-per-client", type=int, default=128,
+                     help="the same, per client address (its own oldest idle connection is "
+                          "closed first)")
     lim.add_argument("--max-prompt-chars", type=int, default=0,
                      help="most characters of text in one request, checked before "
                           "tokenization (0: 20 x max_model_len)")
@@ -159,13 +173,19 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("max_pending_requests", "max_request_bytes", "max_n", "max_image_pixels",
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
                  "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
-                 "media_dns_per_domain", "max_structured_depth", "grammar_compile_procs"):
+                 "media_dns_per_domain", "max_structured_depth", "grammar_compile_procs",
+                 "max_idle_connections", "max_idle_connections_per_client"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if not args.request_body_timeout > 0 or args.request_body_min_rate < 0 or \
-            not 0 < args.max_body_share <= 1:
-        fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0 and "
-             "--max-body-share in (0, 1]")
+            not 0 < args.max_body_share <= 1 or not 0 < args.max_pending_share <= 1:
+        fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0, and "
+             "--max-body-share and --max-pending-share in (0, 1]")
+    if not args.http_header_timeout > 0:
+        fail("--http-header-timeout must be > 0")
+    if args.max_idle_connections >= args.limit_concurrency:
+        fail("--max-idle-connections must be below --limit-concurrency (idle connections "
+             "would fill it and every new request would get 503)")
     if args.max_prompt_chars < 0 or not args.media_fetch_timeout > 0 or \
             not args.max_video_decode_seconds > 0 or not args.grammar_compile_timeout > 0:
         fail("--max-prompt-chars must be >= 0, --media-fetch-timeout, "
@@ -251,6 +271,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     from triptych.api.media.resolver import Resolver
     from triptych.api.processor import InputProcessor
     from triptych.api.request_checks import ServerLimits
+    from triptych.api.template_cost import TemplateCost
     from triptych.api.server import AppConfig, build_app
     from triptych.engine.engine_core import resolve_max_model_len
     from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
@@ -272,13 +293,18 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         allowed_local_media_path=config.allowed_local_media_path,
         allow_private_addresses=limits.allow_private_media_urls,
         resolver=Resolver(limits.media_dns_threads, limits.media_dns_per_domain))
+    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
+    processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
+                               media_limits=media, max_model_len=max_len,
+                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
     checks = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size,
                           max_n=limits.max_n, max_prompt_chars=limits.max_prompt_chars,
                           max_prompts=max_pending,
                           limit_mm_per_prompt=dict(config.limit_mm_per_prompt), media=media,
                           max_structured_depth=limits.max_structured_depth,
                           grammar_compile_timeout_s=limits.grammar_compile_timeout,
-                          grammar_compile_procs=limits.grammar_compile_procs)
+                          grammar_compile_procs=limits.grammar_compile_procs,
+                          template=TemplateCost.of_tokenizer(processor.tokenizer))
     cache_info = {"block_size": str(config.block_size),
                   "enable_prefix_caching": str(config.enable_prefix_caching),
                   "num_gpu_blocks_override": str(config.num_kv_blocks),
@@ -286,7 +312,8 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
                   "kv_cache_memory": str(config.kv_cache_memory), "cache_dtype": "auto"}
     app_config = AppConfig(
         served_model=name, limits=checks, model_root=limits.model or model,
-        max_pending=max_pending, max_body_bytes=limits.max_request_bytes,
+        max_pending=max_pending, pending_share=limits.max_pending_share,
+        max_body_bytes=limits.max_request_bytes,
         max_inflight_body_bytes=limits.max_inflight_body_bytes or 4 * limits.max_request_bytes,
         body_timeout_s=limits.request_body_timeout, body_min_rate=limits.request_body_min_rate,
         body_share=limits.max_body_share,
@@ -294,10 +321,6 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
         protect_metrics=limits.protect_metrics,
         **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
-    cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
-    processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
-                               media_limits=media, max_model_len=max_len,
-                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()
@@ -310,10 +333,15 @@ async def _serve(args: argparse.Namespace, config: Any, model: str, name: str,
                  tenants: Any) -> None:
     import uvicorn
 
+    from triptych.api.connections import ConnectionGuard, guarded_protocol
+
+    guard = ConnectionGuard(args.http_header_timeout, args.max_idle_connections,
+                            args.max_idle_connections_per_client)
     async with app_and_router(args, config, model, name, tenants) as (app, _):
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level="info", timeout_graceful_shutdown=2,
-                                               limit_concurrency=args.limit_concurrency))
+                                               limit_concurrency=args.limit_concurrency,
+                                               http=guarded_protocol(guard)))
         logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
         # NOTE: as vLLM's server does: what start-up made (tokenizer, processor, modules)
         # lives as long as the server, so full collections need not walk it again; under

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from triptych import __version__
+from triptych.api.admission import Admission, Slots
 from triptych.api.beam_client import BeamClient
 from triptych.api.errors import APIError
 from triptych.api.media.prefetch import MediaFetcher
@@ -36,7 +38,7 @@ from triptych.api.prepare import InputStage
 from triptych.api.processor import InputProcessor
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import ServerLimits
-from triptych.api.serving import Admission, Generation, Job, Responder, Slots
+from triptych.api.serving import Generation, Job, Responder
 from triptych.api.tenancy import AuthMiddleware, Tenants, sees_detail, tenant_of
 
 logger = logging.getLogger("triptych.api")
@@ -49,7 +51,8 @@ class AppConfig:
     served_model: str  # the name clients send
     limits: ServerLimits
     model_root: str | None = None  # what /v1/models reports as root (the --model value)
-    max_pending: int = 256  # engine requests admitted at once; more get 503
+    max_pending: int = 256  # engine sequences admitted at once; more get 429
+    pending_share: float = 0.5  # of them, the most one tenant holds (with several tenants)
     max_body_bytes: int = 64 << 20
     max_inflight_body_bytes: int = 256 << 20  # request bodies held at once; more get 429
     body_timeout_s: float = 30.0  # a body must arrive within this ...
@@ -106,8 +109,9 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     app = FastAPI(title="triptych", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     limits = config.limits
-    stage = InputStage(processor, limits, Admission(config.max_pending),
-                       MediaFetcher(config.max_media_fetches), client.alive)
+    admission = Admission(config.max_pending, config.pending_share, config.tenants.several)
+    stage = InputStage(processor, limits, admission, MediaFetcher(config.max_media_fetches),
+                       client.alive)
     metrics = Metrics(client.stats, config.served_model, limits.max_model_len,
                       config.cache_info, lambda: stage.num_mm_items)
 
@@ -163,17 +167,28 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(raw: Request) -> Response:
+        # NOTE: on a keyed server only the operator sees the shared caches' counters: a
+        # tenant could read from them whether another tenant sent an image (api/metrics.py)
+        view = metrics.registry if sees_detail(raw.scope, config.tenants) \
+            else metrics.tenant_view
+        return Response(generate_latest(view), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict:
+    def model_card(raw: Request) -> dict:
+        # NOTE: the checkpoint's place on the server's disk is the operator's to see (an
+        # open server's user is the operator); a tenant sees the hub id or the served name.
+        root = config.model_root or config.served_model
+        local = os.path.expanduser(root)
+        if not sees_detail(raw.scope, config.tenants) and \
+                (os.path.isabs(local) or os.path.exists(local) or root.startswith(".")):
+            root = config.served_model
         return {"id": config.served_model, "object": "model", "created": int(time.time()),
-                "owned_by": "triptych", "root": config.model_root or config.served_model,
+                "owned_by": "triptych", "root": root,
                 "parent": None, "max_model_len": limits.max_model_len, "permission": []}
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+    async def models(raw: Request) -> dict:
+        return {"object": "list", "data": [model_card(raw)]}
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", config.served_model):
@@ -181,9 +196,9 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
                                 f"{config.served_model!r}", "not_found_error", "model")
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict:
+    async def model(model_id: str, raw: Request) -> dict:
         check_model(model_id or "?")
-        return model_card()
+        return model_card(raw)
 
     async def run(jobs: list[Job], slots: Slots, body: Any, raw: Request, chat: bool
                   ) -> Response:

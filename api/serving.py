@@ -24,6 +24,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from triptych.router.router import EngineDeadError
+from triptych.api.admission import Slots
 from triptych.api.errors import APIError
 from triptych.api.metrics import Metrics, RequestTimes
 from triptych.api.openai_format import Choice, Formatter, PromptInfo
@@ -41,35 +42,6 @@ class Job:
     prompt: ProcessedPrompt
     params: SamplingParams
     info: PromptInfo
-
-
-class Admission:
-    """The bounded queue: engine requests admitted and not yet ended, at most ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.active = limit, 0
-
-    def reserve(self, k: int) -> Slots:
-        if self.active + k > self.limit:
-            # 429, as vLLM-style clients retry it (the openai SDK does, after Retry-After)
-            raise APIError(429, "the server is overloaded; retry shortly "
-                                "(--max-pending-requests)", "rate_limit_error",
-                           headers={"Retry-After": "1"})
-        self.active += k
-        return Slots(self, k)
-
-
-class Slots:
-    def __init__(self, admission: Admission, k: int) -> None:
-        self._a, self.held = admission, k
-
-    def release(self, k: int = 1) -> None:
-        k = min(k, self.held)
-        self.held -= k
-        self._a.active -= k
-
-    def release_all(self) -> None:
-        self.release(self.held)
 
 
 class Generation:
@@ -95,7 +67,7 @@ class Generation:
             rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{i}"
             stream = self.client.submit(rid, job.prompt, job.params)
             task = asyncio.ensure_future(self._pump(i, stream))
-            task.add_done_callback(lambda _: self.slots.release())
+            task.add_done_callback(lambda _, k=job.params.n: self.slots.release(k))
             self._tasks.append(task)
         seen: set[int] = set()
         try:
@@ -207,7 +179,7 @@ class Responder:
 
         def add(i: int, d: wire.RequestDelta) -> None:
             for c in d.completions:
-                choices[i * self.n + c.index].add(c)
+                self.fmt.add(choices[i * self.n + c.index], c, self.infos[i])
 
         try:
             async for _ in self._events(add):
@@ -224,7 +196,7 @@ class Responder:
         finally:
             watch.cancel()
             await self.gen.aclose()
-        return JSONResponse(self.fmt.whole(self.infos, choices))
+        return Response(self.fmt.whole(self.infos, choices), media_type="application/json")
 
     async def _sse(self, include_usage: bool, continuous: bool, watch: asyncio.Future
                    ) -> AsyncIterator[str]:
@@ -302,4 +274,4 @@ def _refusal(e: Exception) -> APIError:
     return APIError(500, "internal server error", "server_error")
 
 
-__all__ = ["Admission", "Generation", "Job", "Responder", "Slots"]
+__all__ = ["Generation", "Job", "Responder"]

@@ -93,14 +93,13 @@ def structured_outputs(body: Any, max_depth: int | None = None
         raise bad_request(param, f"{param}: {e}") from None
 
 
-async def check_structured(body: Any, checker: GrammarChecker, tenant: str | None,
-                           max_depth: int) -> StructuredOutputsParams | None:
-    """Parse and compile the request's constraint (in a compile process, time-bounded, in
-    the tenant's share): a bad schema / regex / grammar is refused here, before media is
-    fetched or text tokenized."""
-    spec = structured_outputs(body, max_depth)
+async def check_structured(spec: StructuredOutputsParams | None, body: Any,
+                           checker: GrammarChecker, tenant: str | None) -> None:
+    """Compile the request's parsed constraint (``structured_outputs``) in a compile
+    process, time-bounded, in the tenant's share: a schema / regex / grammar that does not
+    compile is refused here, before media is fetched or text tokenized."""
     if spec is None:
-        return None
+        return
     try:
         await checker.check(spec, tenant)
     except ValueError as e:
@@ -111,7 +110,6 @@ async def check_structured(body: Any, checker: GrammarChecker, tenant: str | Non
                        {"Retry-After": "1"}) from None
     except CheckerDown as e:
         raise APIError(503, str(e), "server_error") from None
-    return spec
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')

@@ -103,6 +103,11 @@ class Tenants:
         return bool(self._keys)
 
     @property
+    def several(self) -> bool:
+        """More than one tenant holds keys: shared budgets are split between them."""
+        return len(set(self._keys.values())) > 1
+
+    @property
     def admin_enabled(self) -> bool:
         return self._admin is not None
 
