@@ -119,6 +119,7 @@ class EngineConfig:
     encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
+    max_grammar_step_ms: float = 0.0  # a structured-output request whose grammar work (its mask and matcher update) costs more than this in 3 steps running is ended with an error naming this flag; 0: auto, the step's own time without grammar work (at least 1 ms), so one request's grammar can at most double its batch-mates' step
     attention_backend: str | None = None  # torch | cpu | triton; unset: triton on CUDA, cpu on a CPU (torch with the decode attention fused in C++, compiled by g++ on first use and cached in $TORCH_EXTENSIONS_DIR/triptych, else ~/.cache/torch_extensions/triptych), torch when no compiler is found
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
     cpu_gemm: str = "onednn"  # fp32 linear layers on the CPU: onednn runs them on weights packed once at load (2-3x faster GEMMs than torch's MKL path, measured on AMD EPYC; each GEMM uses the threads its size pays for) | torch keeps F.linear
@@ -140,6 +141,8 @@ class EngineConfig:
         self.compilation_dict()  # (refuses unknown keys and bad values here, once)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if not self.max_grammar_step_ms >= 0:
+            raise ValueError("max_grammar_step_ms must be >= 0 (0: auto)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.mm_encoder_tp_mode not in ("weights", "data"):

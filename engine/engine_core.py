@@ -96,6 +96,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(None, self.shape.vocab_size, eos_token_id,
                                         load=lambda: _load_tokenizer(config))
         self.runner.batch.grammars.compile = self.grammars.compile
+        self.runner.batch.grammars.budget.fixed_s = config.max_grammar_step_ms / 1000
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d%s", config.model, self.device, self.dtype,
                     self.attention_backend, self.num_blocks, config.block_size,
@@ -198,9 +199,10 @@ class EngineCore:
                              len(sched.scheduled))
             self.num_failed_steps += 1
             sched, sampled, logprobs, failed = self._isolate(sched)
-        # a grammar that allowed no token: the token sampled without it is not the request's
+        # a grammar that allowed no token, or that cost more than its share of the step:
+        # the token sampled without its mask is not the request's, and it is ended
         no_way_on = self.runner.batch.grammars.take_dead()
-        dead = [r for r, _ in sched.scheduled
+        dead = [(r, no_way_on[r.request_id]) for r, _ in sched.scheduled
                 if r.request_id in no_way_on and sampled.pop(r.request_id, None) is not None]
         produced = self.scheduler.update_from_output(sched, sampled)
         self.generation_tokens_total += len(produced)
@@ -211,11 +213,9 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
                                          error="internal error while computing this request"))
-        for req in dead:
+        for req, why in dead:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=(
-                "the output constraint allows no further token: its grammar cannot be "
-                "completed from here")))
+            outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=why))
         for out in outs:
             if out.finish_reason is not None:
                 self.runner.sampler.forget(out.request_id)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from triptych.engine.grammar_budget import GrammarBudget
 from triptych.engine.request import Request
 from triptych.engine.structured_params import StructuredOutputsParams
 
@@ -35,7 +36,10 @@ class GrammarState:
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
-        self.dead: set[str] = set()  # requests whose grammar allowed no token (take_dead)
+        self.dead: dict[str, str] = {}  # requests to end, and why (take_dead): a grammar
+        # that allowed no token, or one over its share of the step (engine/grammar_budget.py)
+        self.budget = GrammarBudget()
+        self._accept_s: dict[str, float] = {}  # matcher updates since the last fill
         self.num_masked_steps = 0
         self.mask_seconds = 0.0  # time in fill + apply (bench/grammar.py reads it)
 
@@ -65,13 +69,20 @@ class GrammarState:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._accept_s.pop(request_id, None)
+        self.budget.forget(request_id)
 
     def accept(self, request_id: str, token_id: int) -> None:
         """The request sampled ``token_id``: advance its matcher."""
         m = self._matchers.get(request_id)
         if m is None or m.is_terminated():
             return
-        if not m.accept_token(token_id):
+        t0 = time.perf_counter()
+        ok = m.accept_token(token_id)
+        spent = time.perf_counter() - t0
+        self._accept_s[request_id] = self._accept_s.get(request_id, 0.0) + spent
+        self.budget.spent(spent)
+        if not ok:
             # Only reachable when a token was forced past the mask (min_tokens over EOS):
             # the constraint is dropped rather than the request failed.
             logger.warning("request %s: token %d breaks its grammar; unconstrained from here",
@@ -89,7 +100,7 @@ class GrammarState:
             return None
         import xgrammar as xgr
 
-        t0 = time.perf_counter()
+        t0 = self.budget.start_step()
         n = len(request_ids)
         if self._bitmask is None or self._bitmask.shape[0] < n or \
                 self._bitmask.shape[1] != (vocab + 31) // 32:
@@ -99,6 +110,7 @@ class GrammarState:
         if self._filler is None:  # fills the rows on the worker's torch threads
             self._filler = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
         self._filler.batch_fill_next_token_bitmask([m for _, m in rows], bitmask, idx)
+        self._charge(rows, bitmask, request_ids, time.perf_counter() - t0)
         # NOTE: a row that allows no token (a grammar with no way on from here) would
         # turn its logits into all -inf and the sampler's probabilities into NaN, failing
         # the step for the whole batch: the row is left unconstrained instead, and its
@@ -109,17 +121,47 @@ class GrammarState:
                 if e:
                     logger.warning("request %s: its grammar allows no next token; it is "
                                    "ended", request_ids[i])
-                    self.dead.add(request_ids[i])
-                    del self._matchers[request_ids[i]]
+                    self._end(request_ids[i], "the output constraint allows no further "
+                                              "token: its grammar cannot be completed from here")
             idx = [i for i, e in zip(idx, empty) if not e]
+        idx = [i for i in idx if request_ids[i] in self._matchers]  # (ended rows: unmasked)
         self.num_masked_steps += 1
         self.mask_seconds += time.perf_counter() - t0
         return (bitmask, idx) if idx else None
 
-    def take_dead(self) -> set[str]:
-        """The requests whose grammar allowed no token since the last call (their rows
-        were sampled unconstrained: the engine core drops that token and ends them)."""
-        dead, self.dead = self.dead, set()
+    def _charge(self, rows: list[tuple[int, Any]], bitmask: torch.Tensor,
+                request_ids: list[str], batch_s: float) -> None:
+        """Hold this step's grammar work against the budget: when the batch's is over the
+        allowance, time each row's fill alone (filling it again: same mask) and end the
+        rows that stay over it (engine/grammar_budget.py)."""
+        accepted = sum(self._accept_s.values())
+        self.budget.spent(batch_s)
+        if batch_s + accepted <= self.budget.allowance_s:
+            self._accept_s.clear()
+            self.budget.judge({request_ids[i]: 0.0 for i, _ in rows})
+            return
+        costs = {}
+        for i, m in rows:
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(bitmask, i)
+            costs[request_ids[i]] = time.perf_counter() - t0 + \
+                self._accept_s.get(request_ids[i], 0.0)
+        self._accept_s.clear()
+        for rid, cost in self.budget.judge(costs).items():
+            why = self.budget.message(cost)
+            logger.warning("request %s: %s; it is ended", rid, why)
+            self._end(rid, why)
+
+    def _end(self, request_id: str, why: str) -> None:
+        self.dead[request_id] = why
+        del self._matchers[request_id]
+        self.budget.forget(request_id)
+
+    def take_dead(self) -> dict[str, str]:
+        """The requests to end since the last call, and why: a grammar that allowed no
+        token, or one over its share of the step. Their rows were sampled unconstrained:
+        the engine core drops that token and ends them with the reason."""
+        dead, self.dead = self.dead, {}
         return dead
 
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:

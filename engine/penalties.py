@@ -10,7 +10,7 @@ output count of each, in two growing arrays (a dict maps an id to its place):
 
     ids:      [ 17   4  903  52 ...]   prompt ids first, then new ids as they are sampled
     counts:   [  0   2    1   0 ...]   times output (0: prompt only)
-    outputs:  [4, 903, 4]              in order, for the n-gram guard
+    (and, with the n-gram guard, its index of the output: engine/ngram_guard.py)
 
 A step gathers the logits at every row's ids (one flat index over all penalised rows),
 applies the penalties to those values and scatters them back: its cost follows the
@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from triptych.engine.ngram_guard import NgramGuard
 from triptych.engine.sampling_params import SamplingParams
 
 
@@ -36,7 +37,6 @@ class _Entry:
 
     def __init__(self, params: SamplingParams, prompt: list[int], outputs: list[int]) -> None:
         self.params = params
-        self.outputs = list(outputs)
         uniq, counts = np.unique(np.asarray(outputs, dtype=np.int64), return_counts=True)
         only_prompt = np.setdiff1d(np.asarray(prompt, dtype=np.int64), uniq)
         ids = np.concatenate([only_prompt, uniq])
@@ -46,9 +46,13 @@ class _Entry:
         self.ids[:self.n] = ids
         self.counts[len(only_prompt):self.n] = counts
         self.where = dict(zip(ids.tolist(), range(self.n)))  # id -> its place
+        self.guard = NgramGuard(params.no_repeat_ngram_size, params.no_repeat_ngram_window,
+                                params.no_repeat_ngram_whitelist, outputs) \
+            if params.no_repeat_ngram_size > 0 else None
 
     def append(self, token_id: int) -> None:
-        self.outputs.append(token_id)
+        if self.guard is not None:
+            self.guard.append(token_id)
         i = self.where.get(token_id)
         if i is None:
             if self.n == len(self.ids):  # double: amortised O(1)
@@ -172,41 +176,15 @@ def apply_penalties(logits: torch.Tensor, pt: PenaltyTensors) -> torch.Tensor:
 def _ngram_bans(ngram: list[tuple[int, _Entry]], vocab: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(batch rows, token ids) that would repeat an n-gram of the row's output, or None.
-
-    A token t is banned when (last n-1 output tokens, t) already occurs among the n-grams
-    lying in the row's window. Rows with the same n are checked together: their windows
-    are left-padded with -1 into one [R, L] tensor and every n-gram of every row is
-    compared to that row's prefix in one broadcast.
-    """
-    by_n: dict[int, list[tuple[int, list[int], _Entry]]] = {}
+    Each row's guard (engine/ngram_guard.py) answers from its index: the step's cost
+    does not grow with a row's n, window or whitelist."""
+    rows: list[int] = []
+    toks: list[int] = []
     for row, e in ngram:
-        n, w = e.params.no_repeat_ngram_size, e.params.no_repeat_ngram_window
-        toks = e.outputs
-        if len(toks) < n or (w and w < n):
-            continue  # no complete n-gram (in the window) yet
-        # Only n-grams lying inside the last w tokens count (vLLM's window_size); the
-        # prefix (the last n-1 tokens) lies inside them too.
-        by_n.setdefault(n, []).append((row, toks[-w:] if w else toks, e))
-    rows_out, toks_out = [], []
-    for n, group in by_n.items():
-        length = max(len(s) for _, s, _ in group)
-        seqs = torch.full((len(group), length), -1, dtype=torch.long)
-        for r, (_, s, _) in enumerate(group):
-            seqs[r, length - len(s):] = torch.tensor(s)
-        grams = seqs.unfold(1, n, 1)  # [R, L-n+1, n]: every n-gram of every row
-        prefix = seqs[:, length - (n - 1):]  # [R, n-1]
-        # (padding is on the left: a gram whose first id is real is real throughout)
-        hit = (grams[:, :, :n - 1] == prefix[:, None, :]).all(-1) & (grams[:, :, 0] >= 0)
-        r_idx, g_idx = hit.nonzero(as_tuple=True)
-        banned = grams[r_idx, g_idx, n - 1]
-        keep = banned < vocab
-        for r, (_, _, e) in enumerate(group):  # whitelisted ids are never banned
-            wl = e.params.no_repeat_ngram_whitelist
-            if wl:
-                keep &= ~((r_idx == r) & torch.isin(banned, torch.tensor(wl)))
-        rows = torch.tensor([row for row, _, _ in group])
-        rows_out.append(rows[r_idx[keep]])
-        toks_out.append(banned[keep])
-    if not rows_out:
+        assert e.guard is not None
+        banned = e.guard.banned(vocab)
+        rows += [row] * len(banned)
+        toks += banned
+    if not rows:
         return None
-    return torch.cat(rows_out), torch.cat(toks_out)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long)

@@ -117,7 +117,8 @@ def test_the_batch_keeps_the_state_through_join_append_and_row_moves():
     batch.remove("q0")
     batch.condense()  # q3 moves to row 0; its state is keyed by id, not row
     batch.append_token(batch.index["q3"], 5)
-    assert batch.penalties.entries["q3"].outputs == [5]
+    e = batch.penalties.entries["q3"]
+    assert e.counts[e.where[5]] == 1 and sum(e.counts[:e.n]) == 1
     batch.remove("q3")
     assert list(batch.penalties.entries) == ["q1"]
 
@@ -281,3 +282,31 @@ def test_seeded_min_p_sampling_stays_above_the_threshold(tiny_qwen2_vl):
             assert d[tok].logprob >= math.log(min_p) + top - 1e-4
         (again,) = llm.chat(conv, sp, use_tqdm=False)
         assert again.outputs[0].token_ids == c.token_ids  # seeded: reproducible
+
+
+def test_ngram_guard_index_equals_a_scan_of_the_window():
+    """The guard's index (updated token by token, engine/ngram_guard.py) bans exactly
+    what a scan of the window bans, for every n, window and whitelist, at every length:
+    its step cost no longer grows with the window or n, its answers must not change."""
+    import random
+
+    from triptych.engine.ngram_guard import NgramGuard
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n, w = rng.randint(1, 5), rng.choice([0, 0, rng.randint(1, 12)])
+        wl = rng.sample(range(6), rng.randint(0, 2))
+        out = [rng.randrange(6) for _ in range(rng.randint(0, 40))]
+        guard = NgramGuard(n, w, wl, out[:3])
+        for k in range(3, len(out) + 1):
+            if k > 3:
+                guard.append(out[k - 1])
+            seen = out[:k]
+            want = set()
+            if len(seen) >= n and not (w and w < n):
+                start = max(0, len(seen) - w) if w else 0
+                for i in range(start, len(seen) - n + 1):
+                    if seen[i:i + n - 1] == seen[len(seen) - n + 1:] and \
+                            seen[i + n - 1] not in wl:
+                        want.add(seen[i + n - 1])
+            assert set(guard.banned(vocab=5)) == {t for t in want if t < 5}, (n, w, wl, seen)
