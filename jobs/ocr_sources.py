@@ -22,6 +22,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image
 from triptych.api.media.decode import IMAGE_FORMATS
@@ -118,30 +119,55 @@ def discover(paths: list[str]) -> list[Document]:
     return docs
 
 
-def is_pdf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"%PDF-" in f.read(1024)
+def is_pdf(f: BinaryIO) -> bool:
+    f.seek(0)
+    head = f.read(1024)
+    f.seek(0)
+    return b"%PDF-" in head
 
 
-def _check(doc: Document) -> bool:
-    """Whether ``doc`` is a PDF; DocumentError if it cannot be read, or now leads outside
-    the folder it was found in (swapped for a symlink since)."""
-    if doc.folder is not None and (why := outside(doc.path, doc.folder)) is not None:
-        raise DocumentError(f"not read: {why}")
+def open_document(doc: Document) -> tuple[BinaryIO, bool]:
+    """``doc``'s file, opened once, and whether it is a PDF. Every later read of the
+    document (image bytes, every PDF page, PDFium's reopenings) uses this descriptor, never
+    the path: checked once, opened twice is the gap a swapped symlink walks through.
+    DocumentError if it cannot be read, or leads outside the folder it was found in (a
+    symlink swapped in since the folder was searched, before or while it was opened)."""
     try:
-        return is_pdf(doc.path)
+        f = open(doc.path, "rb")  # noqa: SIM115 (kept open for the document's pages)
     except OSError as e:
         raise DocumentError(f"cannot read the file ({e.strerror or type(e).__name__})"
                             ) from None
-
-
-def load_image(path: Path, size: PageSize) -> tuple[bytes, str, int, int]:
-    """(encoded bytes, mime, width, height) of an image file, checked by decoding it;
-    resized to ``size.target_longest_dim`` when given. DocumentError if it is no image the
-    server would decode, or has more than ``size.max_pixels`` pixels (from its header: it is
-    not decoded)."""
     try:
-        with Image.open(path, formats=IMAGE_FORMATS) as im:
+        if doc.folder is not None:
+            if (why := outside(doc.path, doc.folder)) is not None:
+                raise DocumentError(f"not read: {why}")
+            # NOTE: what was opened must be what the path leads to now, inside the folder:
+            # a swap between the open and the check shows as another file
+            opened, now = os.fstat(f.fileno()), os.stat(doc.path.resolve())
+            if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):
+                raise DocumentError("not read: the file was replaced while it was opened")
+        return f, is_pdf(f)
+    except OSError as e:
+        f.close()
+        raise DocumentError(f"cannot read the file ({e.strerror or type(e).__name__})"
+                            ) from None
+    except BaseException:
+        f.close()
+        raise
+
+
+def load_image(src: Path | BinaryIO, size: PageSize) -> tuple[bytes, str, int, int]:
+    """(encoded bytes, mime, width, height) of an image file (a path, or a file open for
+    reading: its descriptor is all that is read), checked by decoding it; resized to
+    ``size.target_longest_dim`` when given. DocumentError if it is no image the server
+    would decode, or has more than ``size.max_pixels`` pixels (from its header: it is not
+    decoded)."""
+    if isinstance(src, (str, Path)):
+        with open(src, "rb") as f:
+            return load_image(f, size)
+    try:
+        src.seek(0)
+        with Image.open(src, formats=IMAGE_FORMATS) as im:
             w, h = im.size
             if w * h > size.max_pixels:
                 raise DocumentError(f"the image is {w} x {h} px, above --max-page-pixels "
@@ -155,7 +181,8 @@ def load_image(path: Path, size: PageSize) -> tuple[bytes, str, int, int]:
                 buf = io.BytesIO()
                 im.convert("RGB").save(buf, format="PNG")
                 return buf.getvalue(), "image/png", im.width, im.height
-            return path.read_bytes(), Image.MIME[fmt], w, h
+            src.seek(0)
+            return src.read(), Image.MIME[fmt], w, h
     except DocumentError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a decoder raises, the file is no image
@@ -180,28 +207,34 @@ async def pages(docs: list[Document], raster: Rasterizer, size: PageSize,
     count is known. A document that cannot be read is one job numbered 0."""
     for doc in docs:
         try:
-            pdf = await asyncio.to_thread(_check, doc)
-            if not pdf:
-                data, mime, w, h = await asyncio.to_thread(load_image, doc.path, size)
+            f, pdf = await asyncio.to_thread(open_document, doc)
         except DocumentError as e:
             doc.error = str(e)
             yield PageJob(doc, 0, error=doc.error)
             continue
-        if pdf:
-            async with contextlib.aclosing(_pdf_pages(doc, raster, size, on_total)) as jobs:
-                async for job in jobs:
-                    yield job
-            continue
+        with f:
+            if pdf:
+                async with contextlib.aclosing(_pdf_pages(doc, f, raster, size, on_total)
+                                               ) as jobs:
+                    async for job in jobs:
+                        yield job
+                continue
+            try:
+                data, mime, w, h = await asyncio.to_thread(load_image, f, size)
+            except DocumentError as e:
+                doc.error = str(e)
+                yield PageJob(doc, 0, error=doc.error)
+                continue
         doc.total = 1
         if on_total:
             on_total(doc)
         yield PageJob(doc, 1, data, mime, w, h)
 
 
-async def _pdf_pages(doc: Document, raster: Rasterizer, size: PageSize,
+async def _pdf_pages(doc: Document, f: BinaryIO, raster: Rasterizer, size: PageSize,
                      on_total: Callable[[Document], None] | None) -> AsyncIterator[PageJob]:
     try:
-        handle = await raster.open(str(doc.path))
+        handle = await raster.open(f)
     except DocumentError as e:
         doc.error = str(e)
         yield PageJob(doc, 0, error=doc.error)

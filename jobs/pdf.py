@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import pypdfium2 as pdfium
 from triptych.api.media.limits import MediaLimits
@@ -40,10 +40,13 @@ class DocumentError(Exception):
     is for the run's summary."""
 
 
-def open_pdf(path: str) -> Any:
-    """An open PdfDocument (close it); DocumentError says why one cannot be opened."""
+def open_pdf(source: str | BinaryIO) -> Any:
+    """An open PdfDocument (close it) of a path or an open file (read from its descriptor,
+    which stays open); DocumentError says why one cannot be opened."""
     try:
-        return pdfium.PdfDocument(path)
+        if not isinstance(source, str):
+            source.seek(0)
+        return pdfium.PdfDocument(source)
     except pdfium.PdfiumError as e:
         text = str(e).lower()
         if "password" in text or "security" in text:
@@ -139,11 +142,21 @@ def render_page(doc: Any, index: int, size: PageSize = PageSize()) -> PageImage:
 
 
 class PdfReader:
-    """Renders the pages of one PDF, reopening it every ``REOPEN_EVERY`` pages."""
+    """Renders the pages of one PDF, reopening it every ``REOPEN_EVERY`` pages.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._doc = open_pdf(path)
+    The file is opened once: every reopening reads the same descriptor, never the path
+    again (a path swapped for a symlink after the check would otherwise be followed:
+    THREATS.md, "open once, keep the descriptor"). A path given is opened here and closed
+    with the reader; a file given stays the caller's."""
+
+    def __init__(self, source: str | BinaryIO) -> None:
+        self._owned = open(source, "rb") if isinstance(source, str) else None  # noqa: SIM115
+        self.file: BinaryIO = self._owned or source  # type: ignore[assignment]
+        try:
+            self._doc = open_pdf(self.file)
+        except BaseException:
+            self._close_file()
+            raise
         self.num_pages = len(self._doc)
         self._rendered = 0
 
@@ -151,13 +164,18 @@ class PdfReader:
         """Page ``index`` (0-based) as a PNG."""
         if self._rendered >= REOPEN_EVERY:
             self._doc.close()
-            self._doc = open_pdf(self.path)
+            self._doc = open_pdf(self.file)
             self._rendered = 0
         self._rendered += 1
         return render_page(self._doc, index, size)
 
     def close(self) -> None:
         self._doc.close()
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._owned is not None:
+            self._owned.close()
 
 
 def iter_pages(path: str, dpi: float | None = 150.0, target_longest_dim: int | None = None,
@@ -182,10 +200,10 @@ class Rasterizer:
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def open(self, path: str) -> PdfReader:
-        """A reader of the PDF (its ``num_pages`` known); DocumentError if it cannot be
-        read."""
-        return await self._call(PdfReader, path)
+    async def open(self, source: str | BinaryIO) -> PdfReader:
+        """A reader of the PDF (a path, or a file open for reading: its descriptor is all
+        it reads), its ``num_pages`` known; DocumentError if it cannot be read."""
+        return await self._call(PdfReader, source)
 
     async def render(self, reader: PdfReader, index: int, size: PageSize) -> PageImage:
         return await self._call(reader.render, index, size)

@@ -187,3 +187,36 @@ def test_symlinks_leading_out_of_a_folder_are_skipped_with_a_warning(
 
     job = asyncio.run(first_job())
     assert job.number == 0 and job.image is None and "outside" in job.error
+
+
+# -- issue 42, row 8: a PDF swapped for an outside one while it is being read -----------------
+def test_a_pdf_swapped_mid_job_is_read_from_the_file_first_opened(tmp_path: Path) -> None:
+    """`triptych ocr` on a folder: after its first page, the PDF is replaced by a symlink
+    to an outside PDF. PDFium is reopened every REOPEN_EVERY pages; every page still comes
+    from the file opened at the check (its descriptor), never from the path again."""
+    from triptych.jobs.pdf import REOPEN_EVERY
+
+    folder, outside = tmp_path / "in", tmp_path / "private"
+    folder.mkdir()
+    outside.mkdir()
+    pages_in = REOPEN_EVERY + 8  # past a reopening
+    blank_pdf(folder / "doc.pdf", *[(72.0, 144.0)] * pages_in)  # tall pages: 150 x 300 px
+    blank_pdf(outside / "secret.pdf", *[(144.0, 72.0)] * pages_in)  # wide: 300 x 150 px
+    docs = discover([str(folder)])
+
+    async def read_all() -> list:
+        raster, got = Rasterizer(), []
+        try:
+            async for job in pages(docs, raster, PageSize()):
+                got.append(job)
+                if len(got) == 1:  # the job has started: swap the file for a symlink
+                    (folder / "doc.pdf").rename(tmp_path / "moved.pdf")
+                    (folder / "doc.pdf").symlink_to(outside / "secret.pdf")
+        finally:
+            raster.close()
+        return got
+
+    got = asyncio.run(read_all())
+    assert [j.number for j in got] == list(range(1, pages_in + 1))
+    assert all(j.error is None and (j.width, j.height) == (150, 300) for j in got), \
+        [(j.number, j.width, j.height, j.error) for j in got if (j.width, j.height) != (150, 300)]
