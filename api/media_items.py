@@ -62,6 +62,15 @@ class MediaSource:
     # shared by the groups' sources so load_pixels processes the clip once
     group: int | None = None
     whole: list[Any] | None = None
+    whole_key: str | None = None  # that video's key (its groups' keys derive from it)
+    # the pixels a preparation process left in shared memory (api/prep_pool.py
+    # ``Prepared``): the item has pixel_values=None, its consumer reads them there
+    prepared: Any = None
+
+    def release(self) -> None:
+        """Give back what it holds outside P0's memory (its shared-memory pixels)."""
+        if self.prepared is not None:
+            self.prepared.release()
 
 
 @dataclass
@@ -73,11 +82,22 @@ class _Counts:
     # in a thread pool
 
 
+def _same_pixels(expected: ItemMeta, got: ItemMeta, group: int | None) -> bool:
+    """Whether re-made pixels (``got``: the whole item's) are what ``expected`` (the
+    item's, or its temporal group's) describes."""
+    if group is None:
+        return (got.dtype, got.shape) == (expected.dtype, expected.shape)
+    rows = got.grid_thw[1] * got.grid_thw[2]
+    return (got.dtype, (rows, *got.shape[1:])) == (expected.dtype, expected.shape)
+
+
 class MediaItems:
     """The media half of InputProcessor: keys, processor-cache lookups, preprocessing."""
 
     media: MediaLimits
     counts: _Counts
+    prep: Any = None  # api/prep_pool.py PrepPool: encoded media are prepared there
+    tenant: str | None = None  # whose turn a preparation takes (the pool is fair by tenant)
 
     # -- media ----------------------------------------------------------------------------
     def _load(self, kind: str, src: Any, uuid: str | None) -> tuple[MMItem, MediaSource]:
@@ -105,12 +125,10 @@ class MediaItems:
             meta = self._lookup(key)
             if meta is not None:
                 return self._from_meta(key, meta), MediaSource(kind, payload, None, meta, media)
-        item, frames = self._process(kind, key, payload)
-        meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
-                           item.second_per_grid_t, frames)
+        item, meta, prepared = self._process(kind, key, payload)
         if self.cache is not None:
             self.cache.put(key, meta)
-        return item, MediaSource(kind, payload, uuid, meta, media)
+        return item, MediaSource(kind, payload, uuid, meta, media, prepared=prepared)
 
     def _payload(self, kind: str, src: Any) -> Payload:
         """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
@@ -135,12 +153,45 @@ class MediaItems:
         t, h, w = grid
         return t * h * w // self.merge ** 2
 
-    def _process(self, kind: str, key: str, payload: Payload) -> tuple[MMItem, int | None]:
-        """Decode (if still encoded) + HF preprocessing: the expensive part a hit skips.
-        Also the video's sampled frame count (before padding; None for an image)."""
-        ip = self.image_processor
+    def _process(self, kind: str, key: str, payload: Payload
+                 ) -> tuple[MMItem, ItemMeta, Any]:
+        """Decode (if still encoded) + preprocessing, the expensive part a hit skips: here,
+        or for encoded media in a preparation process when the server has them (then the
+        item has no pixel_values and the third value, a ``Prepared``, says where they are)."""
         with self.counts.lock:
             self.counts.processed += 1
+        if self.prep is not None and isinstance(payload, bytes):
+            return self._prepare_elsewhere(kind, key, payload)
+        item, frames = self._process_here(kind, key, payload)
+        meta = ItemMeta.of(kind, item.grid_thw, self._length(item.grid_thw), item.pixel_values,
+                           item.second_per_grid_t, frames)
+        return item, meta, None
+
+    def _prepare_elsewhere(self, kind: str, key: str, payload: bytes
+                           ) -> tuple[MMItem, ItemMeta, Any]:
+        from triptych.api.prep_proc import Job
+
+        budget = self.media.budget
+        caps = self.media.caps()
+        if budget is not None:  # the rest of the request's pixel budget caps this item
+            caps["max_request_pixels"] = budget.limit - budget.used
+        groups = kind == "video" and bool(self.contract.video_timestamps)
+        done, prepared = self.prep.run(Job(kind, key, payload, caps, groups), self.tenant)
+        try:
+            self.media.charge(done.pixels_charged)
+            grid = (done.grid[0], done.grid[1], done.grid[2])
+            meta = ItemMeta(kind, grid, self._length(grid), done.dtype, tuple(done.shape),
+                            done.second_per_grid_t, done.num_frames)
+        except BaseException:
+            prepared.release()
+            raise
+        return MMItem(kind, key, 0, 0, grid, None, done.second_per_grid_t), meta, prepared
+
+    def _process_here(self, kind: str, key: str, payload: Payload
+                      ) -> tuple[MMItem, int | None]:
+        """Decode + preprocess in this process; also the video's sampled frame count
+        (before padding; None for an image)."""
+        ip = self.image_processor
         if kind == "image":
             img = decode_image(payload, self.media) if isinstance(payload, bytes) else payload
             w, h = img.size
@@ -161,7 +212,7 @@ class MediaItems:
                       ip.temporal_patch_size / fps), len(frames)
 
     # -- processor cache ------------------------------------------------------------------
-    def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor:
+    def load_pixels(self, item: MMItem, source: MediaSource) -> torch.Tensor | None:
         """Give an item that left without pixels (a processor-cache hit) its pixels again:
         the router calls this when the worker it picked does not hold the item.
 
@@ -170,7 +221,7 @@ class MediaItems:
         Blocking (it may fetch a URL and runs the HF processor): call it in a worker thread,
         never under the lock that sends.
         """
-        if item.pixel_values is not None:
+        if item.pixel_values is not None or source.prepared is not None:
             return item.pixel_values
         payload = source.payload
         if payload is None:
@@ -183,18 +234,21 @@ class MediaItems:
             payload = view._payload(item.modality, payload)
             source.payload = payload  # fetch once
         if source.group is None:
-            fresh, _ = view._process(item.modality, item.mm_hash, payload)
+            fresh, meta, prepared = view._process(item.modality, item.mm_hash, payload)
         else:  # one temporal group of a video: process the clip once for all its groups
             if source.whole is None or not source.whole:
-                whole, _ = view._process(item.modality, item.mm_hash, payload)
+                whole = view._process(item.modality, source.whole_key or item.mm_hash,
+                                      payload)
                 if source.whole is not None:
                     source.whole.append(whole)
             else:
                 whole = source.whole[0]
-            fresh = split_groups(whole)[source.group]
+            fresh, meta, prepared = split_groups(whole[0])[source.group], whole[1], whole[2]
         if fresh.grid_thw != item.grid_thw or \
                 fresh.second_per_grid_t != item.second_per_grid_t or \
-                (source.meta is not None and not source.meta.matches(fresh.pixel_values)):
+                (source.meta is not None and not _same_pixels(source.meta, meta, source.group)):
+            if prepared is not None:
+                prepared.release()
             if self.cache is not None:
                 self.cache.discard(item.mm_hash)
             if source.uuid is None:  # a content key always gives the same result
@@ -202,6 +256,9 @@ class MediaItems:
                                    "the second time")
             raise ValueError(f"the {item.modality} with uuid {source.uuid!r} differs from the "
                              "one sent before under that uuid")
+        if prepared is not None:  # its pixels are in shared memory, for the worker to read
+            source.prepared = prepared
+            return None
         item.pixel_values = fresh.pixel_values
         return item.pixel_values
 
@@ -222,7 +279,8 @@ class MediaItems:
                 meta = dataclasses.replace(meta, grid_thw=sub.grid_thw,
                                            length=self._length(sub.grid_thw),
                                            shape=(rows, *meta.shape[1:]))
-            src = dataclasses.replace(source, meta=meta, group=g, whole=whole)
+            src = dataclasses.replace(source, meta=meta, group=g, whole=whole,
+                                      whole_key=item.mm_hash)
             prefix = self.tokenizer.encode(f"<{stamps[g]:.1f} seconds>", add_special_tokens=False)
             out.append((prefix + [cfg.vision_start_token_id], sub, src))
         return out

@@ -39,6 +39,10 @@ from triptych.api.truncation import keep_count, truncate
 from triptych.router.prompt import ProcessedPrompt
 
 
+TEXT_THREADS = 16  # requests without media prepared at once (template, tokens)
+MEDIA_THREADS = 32  # requests with media (their threads mostly wait on preparation)
+
+
 def _mm_tokens(prompt: ProcessedPrompt) -> dict[str, int]:
     out: dict[str, int] = {}
     for it in prompt.mm_items:
@@ -52,6 +56,8 @@ class InputStage:
         self.processor, self.limits, self.admission = processor, limits, admission
         self.fetcher, self.alive = fetcher, alive
         self.num_mm_items = 0  # images/videos processed (the processor cache's queries)
+        self._text_threads = anyio.CapacityLimiter(TEXT_THREADS)
+        self._media_threads = anyio.CapacityLimiter(MEDIA_THREADS)
         tok = processor.tokenizer  # structured output: P0's compile check (api/structured.py)
         self.grammars = GrammarChecker(tok, limits.vocab_size, tok.eos_token_id,
                                        limits.grammar_compile_procs,
@@ -63,11 +69,16 @@ class InputStage:
             raise APIError(503, "the engine is not running", "server_error")
         return self.admission.reserve(checked.sequences, tenant)
 
-    async def _run(self, fn: Callable[[], Any]) -> Any:
+    async def _run(self, fn: Callable[[], Any], media: bool = False) -> Any:
+        """``fn`` (the chat template, the tokenizer, media keys and their preparation) in a
+        thread off the event loop. Requests with media and those without take threads
+        from separate allowances: a flood of image requests (whose threads wait on the
+        preparation processes) never leaves a text request waiting for a thread."""
         from jinja2 import TemplateError
 
-        try:  # media decoding, the HF processor and the tokenizer: off the event loop
-            return await anyio.to_thread.run_sync(fn)
+        try:
+            return await anyio.to_thread.run_sync(
+                fn, limiter=self._media_threads if media else self._text_threads)
         except ValueError as e:  # MediaError included: its message is meant for clients
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         except TemplateError as e:  # the template's raise_exception(...) speaks to clients
@@ -96,7 +107,7 @@ class InputStage:
         if media is not None:  # this request's pixel budget
             media = dataclasses.replace(media, budget=PixelBudget(media.max_request_pixels))
         return self.processor.for_request(media, checked.body.truncate_prompt_tokens is None,
-                                          checked.scope)
+                                          checked.scope, checked.tenant)
 
     async def chat(self, body: ChatCompletionRequest, tenant: str | None = None
                    ) -> tuple[list[Job], Slots]:
@@ -113,7 +124,7 @@ class InputStage:
             prompt = await self._run(lambda: view.process_chat(
                 checked.messages, add_generation_prompt=checked.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                chat_template_kwargs=checked.template_kwargs))
+                chat_template_kwargs=checked.template_kwargs), media=checked.has_media)
             job = self._job(checked, prompt, checked.echo)
         except BaseException:
             slots.release_all()

@@ -100,14 +100,15 @@ class InputProcessor(MediaItems):
         self.scope = ""  # whose uuids this view resolves (api/tenancy.py); "" = shared
 
     def for_request(self, media: MediaLimits | None = None, check_length: bool = True,
-                    scope: str = "") -> InputProcessor:
+                    scope: str = "", tenant: str | None = None) -> InputProcessor:
         """A view for one request: its media limits (lowered caps, pixel budget), for a
-        prompt the server truncates afterwards no length check, and the ``scope`` its
-        uuids live in (tenant + cache_salt). Tokenizer and processors are shared."""
+        prompt the server truncates afterwards no length check, the ``scope`` its uuids
+        live in (tenant + cache_salt) and its ``tenant`` (whose turn its media preparation
+        takes). Tokenizer and processors are shared."""
         view = copy.copy(self)
         view.media = media or self.media
         view.max_model_len = self.max_model_len if check_length else None
-        view.scope = scope
+        view.scope, view.tenant = scope, tenant
         return view
 
     def _hash_kwargs(self, kind: str) -> dict[str, Any]:
@@ -251,9 +252,18 @@ class InputProcessor(MediaItems):
                              "images/videos given")
         # Fail before decoding any media when the text alone cannot fit.
         self._check_len(len(ids) - len(pads))
+        sources: list[MediaSource] = []
+        try:
+            return self._expand(ids, pads, media, fields, text, sources)
+        except BaseException:
+            for done in sources:  # what the items made so far hold in shared memory
+                done.release()
+            raise
+
+    def _expand(self, ids: list[int], pads: list[int], media: list, fields: list[str] | None,
+                text: str, sources: list[MediaSource]) -> ProcessedPrompt:
         out_ids: list[int] = []
         items: list[MMItem] = []
-        sources: list[MediaSource] = []
         prev = 0
         for n, (pos, (kind, src, uuid)) in enumerate(zip(pads, media)):
             try:

@@ -83,6 +83,7 @@ class CheckedRequest:
     and what serving it costs, bounded. Preparation reads this, not the body's raw fields."""
 
     body: Body
+    tenant: str | None  # its API key's (None: anonymous)
     scope: str  # what its uuids and prefix-cache blocks live under (tenant + cache_salt)
     sequences: int  # engine sequences it holds while it runs: prompts x n (admission)
     logprobs: int | None  # top alternatives per output token; None: none asked for
@@ -95,6 +96,7 @@ class CheckedRequest:
     add_generation_prompt: bool = True
     echo: str = ""  # chat: the final assistant message's text, put before the answer
     min_prompt_tokens: int = 0  # a lower bound of the rendered prompt's length
+    has_media: bool = False  # chat: images or videos to prepare
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
 
     @property
@@ -151,7 +153,7 @@ def _check_common(body: Body, limits: ServerLimits, num_prompts: int, tenant: st
     else:
         logprobs = body.logprobs
     return CheckedRequest(
-        body, cache_scope(tenant, body.cache_salt), num_prompts * body.n, logprobs,
+        body, tenant, cache_scope(tenant, body.cache_salt), num_prompts * body.n, logprobs,
         structured_outputs(body, limits.max_structured_depth),
         logit_bias(body, limits.vocab_size), ngram_guard(body, limits.vocab_size))
 
@@ -206,7 +208,7 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits, tenant: str | 
     return dataclasses.replace(
         checked, messages=body.message_dicts(), media=media_limits(body, limits.media),
         template_kwargs=template_kwargs(body), add_generation_prompt=add_generation,
-        echo=echo, min_prompt_tokens=around.tokens)
+        echo=echo, min_prompt_tokens=around.tokens, has_media=any(kinds.values()))
 
 
 def check_completion(body: CompletionRequest, limits: ServerLimits, tenant: str | None = None

@@ -130,6 +130,21 @@ def add_parser(subparsers: Any) -> None:
                         "'{\"video\": {\"num_frames\": 32, \"fps\": 1}}'")
     m.add_argument("--max-video-seconds", type=float, default=120.0,
                    help="longer videos are refused")
+    m.add_argument("--mm-processor-workers", type=int, default=-1,
+                   help="preparation processes beside P0 that decode, process and hash "
+                        "images and videos (at a lower CPU priority than serving; pixels go "
+                        "to the workers through shared memory); raise it by one per ~10 "
+                        "1080p images a second the GPU's vision tower takes; 0: in P0's "
+                        "threads (no decode deadline); -1 (default): 1 on a CPU engine, else "
+                        "the cores less one, at most 8")
+    m.add_argument("--max-image-decode-seconds", type=float, default=10.0,
+                   help="wall time a preparation process may take for one image (decode + "
+                        "processor); past it the process is killed and replaced and the "
+                        "request gets a 400 (videos: --max-video-decode-seconds plus this)")
+    m.add_argument("--mm-processor-memory", type=float, default=4.0,
+                   help="GiB of resident memory a preparation process may reach while "
+                        "preparing one item; above it the process is killed and replaced "
+                        "and the request gets a 400")
     m.add_argument("--max-video-decode-seconds", type=float, default=20.0,
                    help="wall time to decode one video's sampled frames (decoding starts at "
                         "the keyframe before each sample); longer is refused")
@@ -181,8 +196,10 @@ def run(args: argparse.Namespace) -> int:
             not 0 < args.max_body_share <= 1 or not 0 < args.max_pending_share <= 1:
         fail("--request-body-timeout must be > 0, --request-body-min-rate >= 0, and "
              "--max-body-share and --max-pending-share in (0, 1]")
-    if not args.http_header_timeout > 0:
-        fail("--http-header-timeout must be > 0")
+    if not args.http_header_timeout > 0 or not args.max_image_decode_seconds > 0 or \
+            not args.mm_processor_memory > 0 or args.mm_processor_workers < -1:
+        fail("--http-header-timeout, --max-image-decode-seconds and --mm-processor-memory "
+             "must be > 0, --mm-processor-workers >= 0 (-1: the default)")
     if args.max_idle_connections >= args.limit_concurrency:
         fail("--max-idle-connections must be below --limit-concurrency (idle connections "
              "would fill it and every new request would get 503)")
@@ -321,12 +338,33 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
         protect_metrics=limits.protect_metrics,
         **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
+    workers = prep_workers(limits.mm_processor_workers, config.device)
+    if workers:
+        from triptych.api.prep_pool import PrepPool
+
+        processor.prep = PrepPool(model, workers, limits.max_image_decode_seconds,
+                                  int(limits.mm_processor_memory * (1 << 30)))
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()
         yield build_app(router, processor, app_config, on_shutdown=router.shutdown), router
     finally:  # (a no-op when the lifespan already stopped it)
         await router.shutdown()
+        if processor.prep is not None:
+            await asyncio.to_thread(processor.prep.close)
+
+
+def prep_workers(flag: int, device: str) -> int:
+    """``--mm-processor-workers``: as given, or by default one on a CPU engine (it takes
+    the cores; the process runs at a lower priority) and the cores less one, at most 8,
+    beside a GPU engine."""
+    if flag >= 0:
+        return flag
+    from triptych.engine.platform import resolve_device
+
+    if resolve_device(device).type == "cpu":
+        return 1
+    return max(1, min(8, len(os.sched_getaffinity(0)) - 1))
 
 
 async def _serve(args: argparse.Namespace, config: Any, model: str, name: str,

@@ -96,11 +96,14 @@ class Generation:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Abort what is still running (shielded: a disconnect cancels our caller)."""
+        """Abort what is still running (shielded: a disconnect cancels our caller), then
+        give back what the prompts hold outside P0's memory (prepared pixels)."""
         with anyio.CancelScope(shield=True):
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in self.jobs:
+            job.prompt.release()
 
 
 class Responder:

@@ -65,11 +65,14 @@ class WorkerPixels:
             if len(it.grid_thw) != 3:
                 raise ValueError("bad patch grid")
             if it.cache in ("", DATA, DATA_UNCACHED) and it.pixels is not None:
-                n = wire.frames_of(it.pixels)  # a big image's pixels span several frames
-                if k + n > len(frames):
-                    raise ValueError("tensor frames do not match the items")
-                t = wire.tensor_from_frames(it.pixels, frames[k:k + n])
-                k += n
+                if it.shm is not None:  # in a preparation process's segment, not a frame
+                    t = self._read_segment(it)
+                else:
+                    n = wire.frames_of(it.pixels)  # a big image's pixels span several frames
+                    if k + n > len(frames):
+                        raise ValueError("tensor frames do not match the items")
+                    t = wire.tensor_from_frames(it.pixels, frames[k:k + n])
+                    k += n
                 pixels.append(t)
                 if it.cache:
                     ops.append(StoreItem(it.mm_hash, it.cache, t))
@@ -106,6 +109,19 @@ class WorkerPixels:
             return cache_miss_error(msg.request_id, e, msg.cache_seq)
         except (ValueError, TypeError) as e:
             return wire.RequestError(msg.request_id, str(e))
+
+    def _read_segment(self, it: wire.WireMMItem) -> torch.Tensor:
+        from triptych.mmcache.shm_ring import read_item
+
+        assert it.shm is not None and it.pixels is not None
+        if not it.shm.segment or (it.shm.dtype, list(it.shm.shape)) != \
+                (it.pixels.dtype, list(it.pixels.shape)):
+            raise ValueError("a prepared item's segment ref does not match its pixels")
+        try:
+            return read_item(it.shm, it.mm_hash)
+        except ProcessorCacheMiss:
+            self.num_misses += 1
+            raise
 
     def _read_ring(self, it: wire.WireMMItem) -> torch.Tensor:
         if self.ring_name is None or it.shm is None:

@@ -61,6 +61,9 @@ class ShmItemRef(msgspec.Struct, frozen=True):
     seq: int  # sequence number the entry was written with (0 is never used)
     dtype: str  # "float32" | "float16" | "bfloat16"
     shape: list[int]  # tensor shape, at most 4 dims
+    # "": P0's ring; else a segment of its own in the same format (a preparation process's
+    # items, api/prep_pool.py: ``write_items`` / ``read_item``)
+    segment: str = ""
 
 
 class ShmEntryOverwritten(ProcessorCacheMiss):
@@ -225,6 +228,44 @@ class ShmRingWriter:
             spans = sorted((e.offset, e.offset + e.length) for e in self._ring)
             assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "entries overlap"
             assert all(s[1] <= self.capacity_bytes for s in spans)
+
+
+def write_items(items: list[tuple[str, torch.Tensor]], *, shm_dir: str = SHM_DIR
+                ) -> tuple[str, list[ShmItemRef]]:
+    """A new segment in the ring's format holding exactly ``items`` ((key, tensor), in
+    order): a preparation process's result, read by workers like ring entries
+    (``read_item``). The segment outlives this call: its owner unlinks it."""
+    sizes = [_align(_HDR + t.numel() * t.element_size()) for _, t in items]
+    writer = ShmRingWriter(max(_ALIGN, sum(sizes)), shm_dir=shm_dir, cleanup_stale=False)
+    try:
+        refs = []
+        for key, tensor in items:
+            ref = writer.put(key, tensor)
+            assert ref is not None, "a segment sized for its items holds them"
+            refs.append(msgspec.structs.replace(ref, segment=writer.name))
+        writer._finalizer.detach()  # NOTE: the segment is handed over, not removed
+        return writer.name, refs
+    except BaseException:
+        writer.close()
+        raise
+    finally:
+        if not writer._mm.closed:
+            writer._mm.close()
+
+
+def read_item(ref: ShmItemRef, key: str, *, shm_dir: str = SHM_DIR,
+              max_item_bytes: int = 1 << 30) -> torch.Tensor:
+    """A copy of item ``key`` from the segment its ref names (``write_items``): checked as
+    a ring entry is. A segment that is gone raises ``ShmEntryOverwritten`` (P0 sends the
+    pixels again); ValueError for a malformed ref."""
+    try:
+        reader = ShmRingReader(ref.segment, shm_dir=shm_dir, max_item_bytes=max_item_bytes)
+    except FileNotFoundError:
+        raise ShmEntryOverwritten([key]) from None
+    try:
+        return reader.read(ref, key)
+    finally:
+        reader.close()
 
 
 class ShmRingReader:

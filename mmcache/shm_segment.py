@@ -93,6 +93,20 @@ def open_segment(name: str, shm_dir: str = SHM_DIR) -> mmap.mmap:
         os.close(fd)
 
 
+def adopt_segment(name: str, shm_dir: str = SHM_DIR) -> str:
+    """Take over another process's segment: renamed under this process's name, so it lives
+    as long as this process does (a stale-segment sweep judges it by its name's creator).
+    The new name; ValueError for a name that is not a private segment of this user."""
+    check_segment_name(name)
+    old = os.path.join(shm_dir, name)
+    st = os.lstat(old)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError("shared-memory segment is not a private file of this user")
+    new = new_segment_name()
+    os.rename(old, os.path.join(shm_dir, new))
+    return new
+
+
 def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> None:
     try:
         os.unlink(os.path.join(shm_dir, name))
@@ -106,6 +120,13 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[str]:
         return sorted(n for n in os.listdir(shm_dir) if _NAME_RE.match(n))
     except FileNotFoundError:
         return []
+
+
+def segments_of(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Names of the segments process ``pid`` (of this pid namespace) created."""
+    ns = _pid_namespace()
+    return [n for n in list_segments(shm_dir)
+            if (m := _NAME_RE.match(n)) and int(m[1]) == pid and int(m[3]) == ns]
 
 
 def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:

@@ -109,6 +109,7 @@ class Intake:
         elif isinstance(msg, wire.RequestError):
             if msg.cache_missing:  # P0 and the worker disagreed: forget, send the pixels
                 self.pixels.forget(worker, msg.cache_missing, msg.cache_seq)
+                self.pixels.forget_prepared(a.child.parent.prompt, msg.cache_missing)
                 m.retry(a, f"{worker.name}: processor cache miss", count=False)
             elif msg.retryable:
                 m.retry(a, f"{worker.name}: {msg.message}")

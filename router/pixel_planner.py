@@ -28,9 +28,22 @@ import torch
 from triptych.worker import wire
 from triptych.engine.request import MMItem
 from triptych.mmcache.lru import DATA, DATA_UNCACHED, ProcessorCacheMirror
+from triptych.mmcache.shm_ring import read_item
 
 SendFrames = Callable[[Any, list[bytes]], Awaitable[bool]]
 Build = Callable[[list[wire.WireMMItem], list[str], int], msgspec.Struct]
+
+
+def _has_pixels(it: MMItem, src: Any) -> bool:
+    """P0 can send ``it``'s pixels: it holds them, or a preparation process left them in
+    shared memory (the consumer reads them there)."""
+    return it.pixel_values is not None or getattr(src, "prepared", None) is not None
+
+
+def _load_prepared(it: MMItem, src: Any) -> None:
+    """Give a prepared item its pixels in P0 (for a worker that cannot read the segment)."""
+    if it.pixel_values is None and getattr(src, "prepared", None) is not None:
+        it.pixel_values = read_item(src.prepared.ref(src.group), it.mm_hash)
 
 
 def _nbytes(it: MMItem, src: Any) -> int:
@@ -48,8 +61,18 @@ def _meta(it: MMItem, src: Any) -> wire.TensorMeta:
 
 
 def _item(it: MMItem, src: Any, cache: str = "", shm: Any = None) -> wire.WireMMItem:
+    if shm is None and it.pixel_values is None and getattr(src, "prepared", None) is not None:
+        shm = src.prepared.ref(src.group)  # the data is in its segment, not in a frame
     return wire.WireMMItem(it.modality, it.mm_hash, it.offset, it.length, list(it.grid_thw),
                            _meta(it, src), it.second_per_grid_t, cache, shm)
+
+
+def _frames(items: list[MMItem], sources: list[Any], ops: list[str] | None = None
+            ) -> list[torch.Tensor]:
+    """The tensors that travel as frames: those P0 holds (prepared ones are read from
+    their segment by the consumer)."""
+    return [it.pixel_values for i, it in enumerate(items)
+            if it.pixel_values is not None and (ops is None or ops[i] in (DATA, DATA_UNCACHED))]
 
 
 class PixelPlanner:
@@ -77,6 +100,9 @@ class PixelPlanner:
         """Plan ``items`` for consumer ``w``, build the message (``build(wire_items,
         evicted, seq)``) and send it; False when ``w`` cannot be reached. Keys pinned in
         the ring are appended to ``pins`` (unpin them when the request ends)."""
+        if getattr(w, "remote", None):  # another host cannot map P0's segments: frames
+            await asyncio.gather(*(asyncio.to_thread(_load_prepared, it, src)
+                                   for it, src in zip(items, sources)))
         while True:
             async with self._lock(w):
                 planned = self._plan(w, items, sources, pins)
@@ -85,7 +111,7 @@ class PixelPlanner:
                     frames = wire.encode(build(wire_items, evicted, seq)) + \
                         wire.encode_tensors(tensors)
                     return await send_frames(w, frames)
-            missing = [(it, src) for it, src in zip(items, sources) if it.pixel_values is None]
+            missing = [(it, src) for it, src in zip(items, sources) if not _has_pixels(it, src)]
             await asyncio.gather(*(asyncio.to_thread(self.processor.load_pixels, it, src)
                                    for it, src in missing))
             self.num_loaded += len(missing)
@@ -96,18 +122,17 @@ class PixelPlanner:
         if self.kind == "lru":
             mirror = self._mirrors.setdefault(w, ProcessorCacheMirror(self.capacity_bytes))
             plan = mirror.plan([(it.mm_hash, _nbytes(it, src)) for it, src in zip(items, sources)],
-                               [it.pixel_values is not None for it in items])
+                               [_has_pixels(it, src) for it, src in zip(items, sources)])
             if plan.need_data:
                 return None
-            data = [it.pixel_values for it, op in zip(items, plan.ops) if op in (DATA, DATA_UNCACHED)]
             return ([_item(it, src, op) for it, src, op in zip(items, sources, plan.ops)],
-                    data, plan.evicted, plan.seq)
+                    _frames(items, sources, plan.ops), plan.evicted, plan.seq)
         if self.kind == "shm":
             return self._plan_ring(items, sources, pins)
-        if any(it.pixel_values is None for it in items):
+        if not all(_has_pixels(it, src) for it, src in zip(items, sources)):
             return None
         return [_item(it, src) for it, src in zip(items, sources)], \
-            [it.pixel_values for it in items], [], 0
+            _frames(items, sources), [], 0
 
     def _plan_ring(self, items: list[MMItem], sources: list[Any], pins: list[str]
                    ) -> tuple[list[wire.WireMMItem], list[torch.Tensor], list[str], int] | None:
@@ -115,15 +140,21 @@ class PixelPlanner:
         out, tensors, pinned = [], [], []
         for it, src in zip(items, sources):
             ref = self.ring.get(it.mm_hash, pin=True)
-            if ref is None and it.pixel_values is None:
+            if ref is None and not _has_pixels(it, src):
                 for k in pinned:
                     self.ring.unpin(k)
                 return None
             if ref is None:
-                ref = self.ring.put(it.mm_hash, it.pixel_values, pin=True)
-            if ref is None:  # larger than the ring, or a pinned entry in the way: inline
+                # NOTE: prepared pixels are copied from their segment into the ring (the
+                # ring is what later requests find); where it has no room, the consumer
+                # reads them from the segment
+                pixels = it.pixel_values if it.pixel_values is not None else \
+                    read_item(src.prepared.ref(src.group), it.mm_hash)
+                ref = self.ring.put(it.mm_hash, pixels, pin=True)
+            if ref is None:  # larger than the ring, or a pinned entry in the way
                 out.append(_item(it, src))
-                tensors.append(it.pixel_values)
+                if it.pixel_values is not None:
+                    tensors.append(it.pixel_values)
             else:
                 pinned.append(it.mm_hash)
                 out.append(_item(it, src, "shm", ref))
@@ -140,6 +171,14 @@ class PixelPlanner:
         mirror = self._mirrors.get(w)
         if mirror is not None:
             mirror.forget(keys, seq)
+
+    @staticmethod
+    def forget_prepared(prompt: Any, keys: list[str]) -> None:
+        """A consumer could not read these items' segments: P0 makes their pixels again
+        (``load_pixels``) rather than point at the segments once more."""
+        for it, src in zip(prompt.mm_items, prompt.mm_sources):
+            if it.mm_hash in keys and getattr(src, "prepared", None) is not None:
+                src.prepared = None
 
     async def reset(self, w: Any) -> None:
         """``w`` restarted with an empty store (under its lock: no plan in flight)."""

@@ -20,3 +20,13 @@ class ProcessedPrompt:
     # hit) gets its pixels from here. Drop them once the request is dispatched. Each is an
     # api.processor.MediaSource; the router only hands it back to the processor.
     mm_sources: list[Any] = field(default_factory=list)
+
+    def release(self) -> None:
+        """The request is over: its sources give back what they hold outside P0's memory
+        (pixels a preparation process left in shared memory). Its owner calls this (the
+        api's Generation, once every stream of the HTTP request has ended), never the
+        router: a prompt may be run several times (beam search steps share its sources)."""
+        for src in self.mm_sources:
+            release = getattr(src, "release", None)
+            if release is not None:
+                release()

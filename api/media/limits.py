@@ -3,6 +3,7 @@ pixel budget. A request may lower a cap (api/request_checks.py:media_limits), ne
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,21 @@ class MediaLimits:
     def charge(self, pixels: int) -> None:
         if self.budget is not None:
             self.budget.charge(pixels)
+
+    def caps(self) -> dict[str, Any]:
+        """The caps as plain values (what a preparation process needs to decode an item
+        under them): every field but the budget and the resolver."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("budget", "resolver")}
+
+    @classmethod
+    def from_caps(cls, caps: dict[str, Any], budget: PixelBudget | None = None
+                  ) -> MediaLimits:
+        known = {f.name for f in dataclasses.fields(cls)} - {"budget", "resolver"}
+        kw = {k: v for k, v in caps.items() if k in known}
+        if kw.get("allowed_domains") is not None:
+            kw["allowed_domains"] = tuple(kw["allowed_domains"])
+        return cls(**kw, budget=budget)
 
 
 __all__ = ["MediaError", "MediaLimits", "PixelBudget"]

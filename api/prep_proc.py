@@ -1,0 +1,108 @@
+"""A preparation process (api/prep_pool.py): decodes one image or video at a time, runs the
+model's image/video processor on it, and writes the pixels into a shared-memory segment of
+its own, in the processor-cache ring's entry format (mmcache/shm_ring.py ``write_items``).
+P0 receives only the metadata and the segment's name; the worker that runs the vision tower
+reads the pixels from the segment. So no pixel passes through P0's memory, a decoder that
+runs away is killed by P0 without touching anything else, and a decoder crash ends this
+process, not the server.
+
+    stdin:  frame(Start), then frame(Job) ...     (frame: 4-byte big-endian length + msgpack)
+    stdout: frame(Done) once ready, then one per Job
+
+Runs at a lower CPU priority than the server (``nice``): serving comes first on a busy
+host, preparation takes what is left. One torch thread. Dies with its parent
+(PR_SET_PDEATHSIG) and at end of input. Nothing is pickled.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+from triptych.api.grammar_proc import read_frame, write_frame
+from triptych.mmcache.shm_ring import ShmItemRef
+
+
+class Start(msgspec.Struct):
+    model_dir: str
+    processor_kwargs: dict[str, Any] = {}  # InputProcessor's keyword arguments (JSON types)
+    nice: int = 10  # added to the process's CPU niceness
+
+
+class Job(msgspec.Struct):
+    kind: str  # "image" | "video"
+    key: str  # the item's mm key (names its entries in the segment)
+    data: bytes  # the encoded file
+    limits: dict[str, Any]  # MediaLimits' caps (numbers) for this item
+    groups: bool = False  # a video as one entry per temporal group (Qwen3-VL)
+
+
+class Done(msgspec.Struct):
+    error: str | None = None  # a refusal meant for the client (MediaError's words)
+    grid: list[int] = []  # (t, h, w) of the whole item
+    dtype: str = ""
+    shape: list[int] = []  # of the whole item's pixel_values
+    second_per_grid_t: float | None = None
+    num_frames: int | None = None  # video: frames sampled, before padding
+    pixels_charged: int = 0  # decoded pixels (the request's --max-request-pixels budget)
+    segment: str = ""  # where the pixels are (one entry, or one per temporal group)
+    refs: list[ShmItemRef] = []
+    cpu_s: float = 0.0  # CPU time the job took here
+
+
+def prepare(view: Any, job: Job) -> Done:
+    """Decode + preprocess ``job`` with ``view`` (an InputProcessor for the job's caps) and
+    write its pixels out; a refusal (MediaError, ValueError) becomes ``Done.error``."""
+    from triptych.api.media.limits import MediaLimits, PixelBudget
+    from triptych.api.media.video import group_key, split_groups
+    from triptych.mmcache.shm_ring import write_items
+
+    t0 = time.process_time()
+    budget = PixelBudget(int(job.limits.get("max_request_pixels", 1 << 62)))
+    try:
+        view.media = MediaLimits.from_caps(job.limits, budget)
+        item, frames = view._process_here(job.kind, job.key, job.data)
+    except ValueError as e:  # MediaError included: its words are for the client
+        return Done(error=str(e), cpu_s=time.process_time() - t0)
+    pv = item.pixel_values.contiguous()
+    if job.groups:
+        entries = [(group_key(job.key, g), sub.pixel_values.contiguous())
+                   for g, sub in enumerate(split_groups(item))]
+    else:
+        entries = [(job.key, pv)]
+    name, refs = write_items(entries)
+    return Done(grid=list(item.grid_thw), dtype=str(pv.dtype).removeprefix("torch."),
+                shape=list(pv.shape), second_per_grid_t=item.second_per_grid_t,
+                num_frames=frames, pixels_charged=budget.used, segment=name, refs=refs,
+                cpu_s=time.process_time() - t0)
+
+
+def main() -> int:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: end of input still stops us
+        pass
+    inp, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # (a library's prints cannot corrupt the frames)
+    start = read_frame(inp, Start)
+    if start is None:
+        return 0
+    os.nice(start.nice)
+    import torch
+
+    torch.set_num_threads(1)
+    from triptych.api.processor import InputProcessor
+
+    proc = InputProcessor(start.model_dir, **start.processor_kwargs)
+    write_frame(out, Done())
+    while (job := read_frame(inp, Job)) is not None:
+        write_frame(out, prepare(proc.for_request(), job))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
