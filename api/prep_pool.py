@@ -182,15 +182,18 @@ class PrepPool:
         deadline = time.monotonic() + deadline_s
         try:
             write_frame(p.stdin, job)
-            while not select.select([p.stdout], [], [], _POLL_S)[0]:
-                if time.monotonic() > deadline:
-                    self._stopped(proc, f"preparing the {what} took longer than "
-                                        f"{deadline_s:g} s (--max-image-decode-seconds); send "
-                                        f"a smaller or simpler {what}")
-                if _rss(p.pid) > self.memory_bytes:
-                    self._stopped(proc, f"preparing the {what} took more than "
-                                        f"{self.memory_bytes >> 20} MiB of memory "
-                                        f"(--mm-processor-memory); send a smaller {what}")
+        except OSError:
+            pass  # (it died before the job: read_frame sees the end below)
+        while not select.select([p.stdout], [], [], _POLL_S)[0]:
+            if time.monotonic() > deadline:
+                self._stopped(proc, f"preparing the {what} took longer than {deadline_s:g} "
+                                    f"s (--max-image-decode-seconds); send a smaller or "
+                                    f"simpler {what}")
+            if _rss(p.pid) > self.memory_bytes:
+                self._stopped(proc, f"preparing the {what} took more than "
+                                    f"{self.memory_bytes >> 20} MiB of memory "
+                                    f"(--mm-processor-memory); send a smaller {what}")
+        try:
             done = read_frame(p.stdout, Done)
         except (OSError, ValueError, msgspec.DecodeError):
             done = None

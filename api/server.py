@@ -153,6 +153,10 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     async def health(raw: Request) -> JSONResponse:
         h = client.health()  # degraded (some workers down, every pool served) is still 200
         code = 503 if h["status"] == "unavailable" else 200
+        if processor.prep is not None:
+            h = {**h, "preparation": {"pids": processor.prep.pids,
+                                      "killed": processor.prep.num_killed,
+                                      "jobs": processor.prep.num_jobs}}
         if not sees_detail(raw.scope, config.tenants):  # pids, errors, nodes: operator's
             h = {"status": "ok" if code == 200 else "unavailable"}
         return JSONResponse(h, status_code=code)

@@ -57,7 +57,7 @@ def server(tiny_qwen2_vl, media_dir, tmp_path_factory):
     s = ServerProc(tiny_qwen2_vl, tmp_path_factory.mktemp("log") / "serve.log",
                    "--block-size", "4", "--max-model-len", "512",
                    "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
-                   "--allowed-local-media-path", str(media_dir), "--max-pending-requests", "2",
+                   "--allowed-local-media-path", str(media_dir), "--max-pending-requests", "64",
                    "--allowed-media-domains", "127.0.0.1", "--served-model-name", "tiny",
                    "--max-n", "64")
     yield s
@@ -251,9 +251,10 @@ def test_disconnect_while_waiting_for_a_whole_response(server):
 
 
 def test_overload_gets_429_with_retry_after(server):
-    # --max-pending-requests 2: of 8 simultaneous requests some must be turned away.
+    # --max-pending-requests 64 engine sequences, each request n=16: of 8 simultaneous
+    # requests (128 sequences) some must be turned away.
     body = {"model": "tiny", "messages": user(text_part("Go on.")), "max_tokens": 460,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, "n": 16}
     results: list[httpx.Response] = []
     barrier = threading.Barrier(8)
 
