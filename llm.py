@@ -75,6 +75,7 @@ class LLM:
             media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
             max_model_len=max_len, tokenizer=tokenizer,
             cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+        self.processor.mm_preprocessor = self.config.mm_preprocessor
         if in_process and cache_bytes:
             from triptych.mmcache.local import LocalPixels
             self._local_pixels = LocalPixels(cache_bytes, self.processor)

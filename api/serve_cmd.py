@@ -298,6 +298,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
                                media_limits=media, max_model_len=max_len,
                                cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+    processor.mm_preprocessor = config.mm_preprocessor
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from PIL import Image
 from triptych.api.media.decode import IMAGE_FORMATS
+from triptych.api.media.pixels import to_rgb8
 from triptych.jobs.pdf import DocumentError, PageError, PageSize, Rasterizer
 
 logger = logging.getLogger("triptych.jobs")
@@ -149,12 +150,14 @@ def load_image(path: Path, size: PageSize) -> tuple[bytes, str, int, int]:
             im.load()
             fmt = (im.format or "").upper()
             if size.target_longest_dim or fmt not in ("PNG", "JPEG", "WEBP"):
-                # Formats a server may not take (TIFF, BMP, ...) and resized pages go as PNG.
+                # Formats a server may not take (TIFF, BMP, ...) and resized pages go as PNG,
+                # read as the server reads pixels (upright, 16 bits scaled, ...) first.
+                rgb = to_rgb8(im)
                 if size.target_longest_dim:
-                    im = im.resize(_resized(w, h, size))
+                    rgb = rgb.resize(_resized(rgb.width, rgb.height, size))
                 buf = io.BytesIO()
-                im.convert("RGB").save(buf, format="PNG")
-                return buf.getvalue(), "image/png", im.width, im.height
+                rgb.save(buf, format="PNG")
+                return buf.getvalue(), "image/png", rgb.width, rgb.height
             return path.read_bytes(), Image.MIME[fmt], w, h
     except DocumentError:
         raise

@@ -16,8 +16,9 @@ below), its module, its tiny-checkpoint builder and its parity tests, plus one l
     modalities, check(hf): one-line refusals       load_weights(named tensors) -> loaded
     build(...): the module (TP plan applied)       shard_table(), spatial_merge_size
     make_tiny(arch, out_dir, ...)
-    processor glue: image_hash_kwargs, preprocess_image, spatial_merge_size, span_wrappers,
-        placeholder_tokens; hf_media_inputs (the HF oracle's kwargs)
+    processor glue: image_hash_kwargs, preprocess_image (the --mm-preprocessor fast path or
+        HF's processor), spatial_merge_size, span_wrappers, placeholder_tokens;
+        hf_media_inputs (the HF oracle's kwargs)
 
 The encoder payload is ONE 2-D tensor per item, ``[rows, payload_width]``: the embedding
 columns first, then whatever else the language model consumes per placeholder row (e.g.
@@ -28,10 +29,14 @@ image simply takes rows [a, b) of the payload: nothing can be split inconsistent
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("triptych.models")
 
 # model_type -> (module, contract class); imported lazily so a process loads one model's code
 _CONTRACTS: dict[str, tuple[str, str]] = {
@@ -105,10 +110,17 @@ class ModelContract:
                 **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
                                                      "do_normalize", "do_convert_rgb")}}
 
-    def preprocess_image(self, ip: Any, img: Any, hf: Any
+    def preprocess_image(self, ip: Any, img: Any, hf: Any, preprocessor: str = "fast"
                          ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """One RGB image -> (flat patches [t*h*w, ...], grid (t, h, w))."""
-        out = ip(images=[img], return_tensors="pt")
+        """One 8-bit RGB image (PIL, or [H, W, 3] uint8) -> (flat patches [t*h*w, ...], grid
+        (t, h, w)). ``preprocessor`` (``--mm-preprocessor``): "fast" (models/qwen_vl_image.py:
+        HF's values at a fraction of the cost) where it can follow ``ip``, else "hf" (HF's
+        image processor ``ip`` itself)."""
+        from triptych.models import image_ops, qwen_vl_image
+
+        if use_fast(preprocessor, ip, qwen_vl_image.unsupported(ip)):
+            return qwen_vl_image.preprocess(ip, image_ops.rgb_array(img))
+        out = ip(images=[image_ops.as_pil(img)], return_tensors="pt")
         return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
 
     def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
@@ -140,6 +152,29 @@ class ModelContract:
     def hf_class_name(self, hf: Any) -> str:
         """HF transformers' class of this checkpoint (the oracle)."""
         return (hf.architectures or self.architectures)[0]
+
+
+PREPROCESSORS = ("fast", "hf")  # --mm-preprocessor
+
+
+def use_fast(preprocessor: str, ip: Any, unsupported: str | None) -> bool:
+    """Whether ``preprocess_image`` takes the fast path: asked for and able to follow
+    ``ip`` (the reason it cannot is logged once per processor class and reason)."""
+    if preprocessor not in PREPROCESSORS:
+        raise ValueError(f"mm_preprocessor must be one of {', '.join(PREPROCESSORS)}, "
+                         f"got {preprocessor!r}")
+    if preprocessor == "hf":
+        return False
+    if unsupported is not None:
+        _log_fallback(type(ip).__name__, unsupported)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(processor: str, reason: str) -> None:
+    logger.warning("fast image preprocessing cannot follow %s (%s): HF's processor runs "
+                   "instead", processor, reason)
 
 
 def write_vision_rows(embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]) -> None:

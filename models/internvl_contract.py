@@ -68,14 +68,19 @@ class InternVLContract(ModelContract):
                 **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
                                                      "do_normalize", "do_convert_rgb")}}
 
-    def preprocess_image(self, ip: Any, img: Any, hf: Any
+    def preprocess_image(self, ip: Any, img: Any, hf: Any, preprocessor: str = "fast"
                          ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The tiles of one image, patchified (models/internvl_image.py on the fast path)."""
+        from triptych.models import image_ops, internvl_image
+        from triptych.models.contract import use_fast
         from triptych.models.internvl import patchify
 
-        tiles = ip(images=[img], crop_to_patches=CROP_TO_PATCHES,
-                   return_tensors="pt")["pixel_values"]
         p = hf.vision_config.patch_size
         p = p[0] if isinstance(p, (list, tuple)) else p
+        if use_fast(preprocessor, ip, internvl_image.unsupported(ip)):
+            return internvl_image.preprocess(ip, image_ops.rgb_array(img), p, CROP_TO_PATCHES)
+        tiles = ip(images=[image_ops.as_pil(img)], crop_to_patches=CROP_TO_PATCHES,
+                   return_tensors="pt")["pixel_values"]
         g = tiles.shape[-1] // p
         return patchify(tiles, p), (int(tiles.shape[0]), g, g)
 
