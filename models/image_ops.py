@@ -1,16 +1,14 @@
 """Image primitives of the fast preprocessing path (``--mm-preprocessor fast``).
 
 HF's PIL image processors resize with Pillow, then rescale and normalise in numpy (float64
-then float32), then cut patches with a transpose and copies: ~50-80 ms for a 1080p photo on
-one core. The same result, by other means:
+then float32), then cut patches with a transpose and copies: ~35-80 ms for a 1080p photo on
+one core. The same values, bit for bit, by other means:
 
-- ``resize_u8``: torch's antialiased bicubic (bilinear) interpolation on uint8, built to
-  follow Pillow's resampling (support, coefficients, an 8-bit intermediate between its
-  two 1-D passes), in Pillow's order of the passes (``_vertical_first``; one torch call
-  runs horizontal first, as Pillow mostly does). It differs from
-  Pillow only in the fixed-point precision of its weights (16 bits against Pillow's 22):
-  measured on photos and noise from 1x1 to 4K, 99.5% of the 8-bit samples are equal,
-  0.5% differ by one level and about one in a million by two. ~5x faster than Pillow.
+- ``resize_u8``: Pillow's resampling itself, its coefficients and integer passes in
+  Pillow's order, vectorised (kernels/cpu/image_resample.py; Pillow's own resize where
+  that cannot be built). torch's antialiased uint8 interpolation was measured and left:
+  it multiplies with 16-bit weights where Pillow uses 22-bit ones, so a sample in ~200
+  lands one level off (one in a million two), and HF's logprobs moved by >1e-3.
 - ``value_table``: what HF's rescale + normalise make of each 8-bit value of each channel,
   computed once with HF's own arithmetic (float64 rescale, float32 normalise), so a lookup
   is bit for bit HF's value of that sample.
@@ -29,16 +27,10 @@ import warnings
 from typing import Any
 
 import numpy as np
-import PIL
 import torch
-import torch.nn.functional as F
+from triptych.kernels.cpu import image_resample
 
-BICUBIC, BILINEAR = 3, 2  # PIL's resample codes the fast path follows
-_MODES = {BICUBIC: "bicubic", BILINEAR: "bilinear"}
-# Pillow 13 runs the vertical pass first when the height shrinks by more than twice what
-# the width does (libImaging/Resample.c, ImagingResampleInner); before, always horizontal.
-# The order matters: each pass rounds to 8 bits, and clipping differs.
-_PILLOW_VERTICAL_FIRST = int(PIL.__version__.split(".")[0]) >= 13
+BICUBIC, BILINEAR = image_resample.BICUBIC, image_resample.BILINEAR
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
@@ -61,12 +53,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def supports_resample(resample: Any) -> bool:
-    return int(resample) in _MODES
-
-
-def _vertical_first(h_in: int, w_in: int, h_out: int, w_out: int) -> bool:
-    shrink_h, shrink_w = h_in - h_out, w_in - w_out
-    return _PILLOW_VERTICAL_FIRST and shrink_h > 0 and shrink_h > 2 * shrink_w
+    return int(resample) in (BICUBIC, BILINEAR)
 
 
 def rgb_array(img: Any) -> np.ndarray:
@@ -89,27 +76,18 @@ def as_pil(img: Any) -> Any:
     return Image.fromarray(img) if isinstance(img, np.ndarray) else img
 
 
-def as_chw(rgb: np.ndarray) -> torch.Tensor:
-    """[H, W, 3] uint8 (read-only is fine: nothing writes to it) -> a [1, 3, H, W] view."""
+def as_tensor(rgb: np.ndarray) -> torch.Tensor:
+    """[H, W, 3] uint8 as a tensor sharing its memory (read-only is fine: nothing writes)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's note on read-only arrays
-        return torch.from_numpy(rgb).permute(2, 0, 1).unsqueeze(0)
+        return torch.from_numpy(rgb)
 
 
-def resize_u8(img: torch.Tensor, height: int, width: int, resample: int = BICUBIC
+def resize_u8(rgb: torch.Tensor, height: int, width: int, resample: Any = BICUBIC
               ) -> torch.Tensor:
-    """[1, 3, H, W] uint8 (channels-last in memory, as ``as_chw`` gives) -> [1, 3, height,
-    width] uint8, as Pillow's ``resize((width, height), resample)`` makes it (within the
-    precision above). The same size is returned as it is (Pillow copies it unchanged)."""
-    mode = _MODES[int(resample)]
-    h, w = img.shape[-2:]
-    if (h, w) == (height, width):
-        return img
-    if _vertical_first(h, w, height, width):  # two calls: torch's one runs horizontal first
-        img = F.interpolate(img, size=(height, w), mode=mode, antialias=True)
-        if w == width:
-            return img
-    return F.interpolate(img, size=(height, width), mode=mode, antialias=True)
+    """[H, W, 3] uint8 -> [height, width, 3] uint8: Pillow's ``resize((width, height),
+    resample)`` exactly (the same size: the image itself, as Pillow's copy)."""
+    return image_resample.resize(rgb, height, width, int(resample))
 
 
 @functools.lru_cache(maxsize=32)
@@ -167,5 +145,5 @@ def table_lookup(samples: torch.Tensor, table: torch.Tensor, channel_dim: int,
     return out
 
 
-__all__ = ["BICUBIC", "BILINEAR", "as_chw", "as_pil", "rgb_array", "resize_u8", "smart_resize", "supports_resample",
-           "table_lookup", "value_table"]
+__all__ = ["BICUBIC", "BILINEAR", "as_pil", "as_tensor", "resize_u8", "rgb_array",
+           "smart_resize", "supports_resample", "table_lookup", "value_table"]

@@ -51,30 +51,32 @@ def unsupported(ip: Any) -> str | None:
 
 
 def _tiles(ip: Any, img: torch.Tensor, crop: bool) -> torch.Tensor:
-    """[1, 3, H, W] uint8 -> [tiles, 3, S, S] uint8, HF's tiles in HF's order."""
+    """[H, W, 3] uint8 -> [tiles, S, S, 3] uint8, HF's tiles in HF's order."""
     s = dict(ip.size)["height"]
     resample = ip.resample
     if not (crop and ip.max_patches > 1):
         if ip.do_resize:
             img = image_ops.resize_u8(img, s, s, resample)
-        return img
-    h, w = img.shape[-2:]
+        return img.unsqueeze(0)
+    h, w = img.shape[:2]
     cols, rows = tile_grid(h, w, s, s, ip.min_patches, ip.max_patches)
-    canvas = image_ops.resize_u8(img, s * rows, s * cols, resample)[0]
-    tiles = canvas.unflatten(1, (rows, s)).unflatten(3, (cols, s)).permute(1, 3, 0, 2, 4) \
-        .reshape(rows * cols, 3, s, s)  # (a uint8 copy: a quarter of the floats' bytes)
+    canvas = image_ops.resize_u8(img, s * rows, s * cols, resample)
+    tiles = canvas.unflatten(0, (rows, s)).unflatten(2, (cols, s)).permute(0, 2, 1, 3, 4)
     if rows * cols == 1:
-        return tiles
-    return torch.cat([tiles, image_ops.resize_u8(img, s, s, resample)])
+        return tiles.reshape(1, s, s, 3)
+    # (a uint8 copy, tiles then thumbnail: a quarter of the floats' bytes)
+    return torch.cat([tiles.reshape(rows * cols, s, s, 3),
+                      image_ops.resize_u8(img, s, s, resample).unsqueeze(0)])
 
 
 def preprocess(ip: Any, rgb: np.ndarray, patch: int, crop: bool
                ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """[H, W, 3] uint8 -> (patches [tiles * g * g, 3 * patch**2] float32, (tiles, g, g))."""
-    tiles = _tiles(ip, image_ops.as_chw(rgb), crop)
-    n, s = tiles.shape[0], tiles.shape[-1]
+    tiles = _tiles(ip, image_ops.as_tensor(rgb), crop)
+    n, s = tiles.shape[0], tiles.shape[1]
     g = s // patch
-    cut = tiles.unflatten(2, (g, patch)).unflatten(4, (g, patch)).permute(0, 2, 4, 1, 3, 5)
+    # [n, S, S, 3] -> (n, g, g, 3, p, p): row-major patches, (channel, row, col) in each
+    cut = tiles.unflatten(1, (g, patch)).unflatten(3, (g, patch)).permute(0, 1, 3, 5, 2, 4)
     out = torch.empty(n * g * g, 3 * patch * patch)
     image_ops.table_lookup(cut, image_ops.value_table(ip), 3, out.view(cut.shape))
     return out, (n, g, g)

@@ -5,7 +5,7 @@ HF's steps, and ours:
 
     HF (PIL backend)                                ours
     smart_resize(h, w, patch * merge, size)         the same arithmetic (image_ops)
-    PIL resize, bicubic                             torch uint8 antialiased, Pillow's order
+    PIL resize, bicubic                             Pillow's passes, vectorised (same bytes)
     rescale (float64) -> normalise (float32)        one table lookup per sample ...
     reshape + transpose into merge-grouped patches  ... read through a view in patch order
     temporal_patch_size copies of the one frame     ... written once per temporal slot
@@ -50,11 +50,11 @@ def preprocess(ip: Any, rgb: np.ndarray) -> tuple[torch.Tensor, tuple[int, int, 
     size = dict(ip.size)
     height, width = image_ops.smart_resize(h, w, p * m, size["shortest_edge"],
                                            size["longest_edge"])
-    img = image_ops.resize_u8(image_ops.as_chw(rgb), height, width, ip.resample)[0]
+    img = image_ops.resize_u8(image_ops.as_tensor(rgb), height, width, ip.resample)
     gh, gw = height // p, width // p
-    # [3, H, W] -> (gh/m, gw/m, m, m, 3, p, p): HF's order, still a view of the uint8 image
-    patches = img.unflatten(1, (gh // m, m, p)).unflatten(4, (gw // m, m, p)) \
-        .permute(1, 4, 2, 5, 0, 3, 6)
+    # [H, W, 3] -> (gh/m, gw/m, m, m, 3, p, p): HF's order, still a view of the uint8 image
+    patches = img.unflatten(0, (gh // m, m, p)).unflatten(3, (gw // m, m, p)) \
+        .permute(0, 3, 1, 4, 6, 2, 5)
     out = torch.empty(gh * gw, 3 * tps * p * p)
     # every temporal slot holds the image: written from the one lookup of each sample
     image_ops.table_lookup(patches.unsqueeze(5), image_ops.value_table(ip), 4,
