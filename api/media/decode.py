@@ -27,9 +27,20 @@ from triptych.api.media.limits import MediaError, MediaLimits, PixelBudget
 from triptych.api.media.pixels import to_rgb8
 from triptych.api.media.sources import afetch_bytes, fetch_bytes, is_remote, read_media_bytes
 
+
+
+def _opened_here(names: tuple[str, ...]) -> tuple[str, ...]:
+    # NOTE: Image.open(formats=...) raises KeyError for a name no plugin opens, before it
+    # tries the rest: Pillow 13 opens MPO through its JPEG plugin and registers no "MPO"
+    # opener, which made every GIF, WebP, BMP and TIFF "corrupt". Keep what this Pillow
+    # opens (init() registers every plugin; none runs until asked to open).
+    Image.init()
+    return tuple(n for n in names if n in Image.OPEN)
+
+
 # Only formats with well-trodden decoders; Image.open would otherwise try every plugin
 # (EPS even shells out to Ghostscript).
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
+IMAGE_FORMATS = _opened_here(("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF"))
 # Hard bound on decoded frames per second of video (sampling keeps far fewer): a stream of
 # tiny frames with bogus timestamps cannot make us decode forever.
 _MAX_DECODE_FPS = 120
