@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ class ModelContract:
         image processor ``ip`` itself)."""
         from triptych.models import image_ops, qwen_vl_image
 
-        if use_fast(preprocessor, ip, qwen_vl_image.unsupported(ip)):
+        if use_fast(preprocessor, ip, qwen_vl_image.unsupported):
             return qwen_vl_image.preprocess(ip, image_ops.rgb_array(img))
         out = ip(images=[image_ops.as_pil(img)], return_tensors="pt")
         return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
@@ -157,16 +158,17 @@ class ModelContract:
 PREPROCESSORS = ("fast", "hf")  # --mm-preprocessor
 
 
-def use_fast(preprocessor: str, ip: Any, unsupported: str | None) -> bool:
+def use_fast(preprocessor: str, ip: Any, unsupported: Callable[[Any], str | None]) -> bool:
     """Whether ``preprocess_image`` takes the fast path: asked for and able to follow
-    ``ip`` (the reason it cannot is logged once per processor class and reason)."""
+    ``ip`` (``unsupported(ip)``: why not; logged once per processor class and reason)."""
     if preprocessor not in PREPROCESSORS:
         raise ValueError(f"mm_preprocessor must be one of {', '.join(PREPROCESSORS)}, "
                          f"got {preprocessor!r}")
     if preprocessor == "hf":
         return False
-    if unsupported is not None:
-        _log_fallback(type(ip).__name__, unsupported)
+    why_not = unsupported(ip)
+    if why_not is not None:
+        _log_fallback(type(ip).__name__, why_not)
         return False
     return True
 

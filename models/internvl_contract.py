@@ -77,7 +77,7 @@ class InternVLContract(ModelContract):
 
         p = hf.vision_config.patch_size
         p = p[0] if isinstance(p, (list, tuple)) else p
-        if use_fast(preprocessor, ip, internvl_image.unsupported(ip)):
+        if use_fast(preprocessor, ip, internvl_image.unsupported):
             return internvl_image.preprocess(ip, image_ops.rgb_array(img), p, CROP_TO_PATCHES)
         tiles = ip(images=[image_ops.as_pil(img)], crop_to_patches=CROP_TO_PATCHES,
                    return_tensors="pt")["pixel_values"]
