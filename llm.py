@@ -76,6 +76,10 @@ class LLM:
             max_model_len=max_len, tokenizer=tokenizer,
             cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
         self.processor.mm_preprocessor = self.config.mm_preprocessor
+        if self.config.mm_preprocessor == "fast":  # the resize kernel built or loaded now
+            from triptych.kernels.cpu import image_resample
+
+            image_resample.available()
         if in_process and cache_bytes:
             from triptych.mmcache.local import LocalPixels
             self._local_pixels = LocalPixels(cache_bytes, self.processor)

@@ -299,6 +299,10 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
                                media_limits=media, max_model_len=max_len,
                                cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
     processor.mm_preprocessor = config.mm_preprocessor
+    if config.mm_preprocessor == "fast":  # build (once per machine) or load the resize
+        from triptych.kernels.cpu import image_resample  # kernel now, not on the first image
+
+        image_resample.available()
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()
