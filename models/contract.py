@@ -111,18 +111,28 @@ class ModelContract:
                 **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
                                                      "do_normalize", "do_convert_rgb")}}
 
-    def preprocess_image(self, ip: Any, img: Any, hf: Any, preprocessor: str = "fast"
+    def preprocess_image(self, ip: Any, img: Any, hf: Any, preprocessor: str = "fast",
+                         out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """One 8-bit RGB image (PIL, or [H, W, 3] uint8) -> (flat patches [t*h*w, ...], grid
         (t, h, w)). ``preprocessor`` (``--mm-preprocessor``): "fast" (models/qwen_vl_image.py:
-        HF's values at a fraction of the cost) where it can follow ``ip``, else "hf" (HF's
-        image processor ``ip`` itself)."""
+        HF's values, bit for bit, at a fraction of the cost) where it can follow ``ip``, else
+        "hf" (HF's image processor ``ip`` itself). ``out``: a float32 tensor of
+        ``pixel_shape`` to write the values into (the fast path writes nowhere else)."""
         from triptych.models import image_ops, qwen_vl_image
 
         if use_fast(preprocessor, ip, qwen_vl_image.unsupported):
-            return qwen_vl_image.preprocess(ip, image_ops.rgb_array(img))
-        out = ip(images=[image_ops.as_pil(img)], return_tensors="pt")
-        return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
+            return qwen_vl_image.preprocess(ip, image_ops.rgb_array(img), out)
+        res = ip(images=[image_ops.as_pil(img)], return_tensors="pt")
+        return (_into(out, res["pixel_values"]),
+                tuple(int(x) for x in res["image_grid_thw"][0]))
+
+    def pixel_shape(self, ip: Any, hf: Any, height: int, width: int) -> tuple[int, int]:
+        """[rows, columns] of the pixel values ``preprocess_image`` makes of a ``width`` x
+        ``height`` image (to size its ``out`` before the work)."""
+        from triptych.models import qwen_vl_image
+
+        return qwen_vl_image.pixel_shape(ip, height, width)
 
     def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
         """HF's own class's media kwargs for these items (the oracle, the bench peer), or
@@ -156,6 +166,15 @@ class ModelContract:
 
 
 PREPROCESSORS = ("fast", "hf")  # --mm-preprocessor
+
+
+def _into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """HF's path's values, copied into the caller's ``out`` when there is one."""
+    if out is None:
+        return values
+    from triptych.models.image_ops import output
+
+    return output(out, tuple(values.shape)).copy_(values)
 
 
 def use_fast(preprocessor: str, ip: Any, unsupported: Callable[[Any], str | None]) -> bool:

@@ -14,7 +14,9 @@ one core. The same values, bit for bit, by other means:
   is bit for bit HF's value of that sample.
 - ``table_lookup``: the lookup, reading uint8 samples through any strided view (the
   patch order is a view of the resized image, nothing is copied to get there) and writing
-  float32 once, in the layout the model takes.
+  float32 once, in the layout the model takes, into a new tensor or the caller's ``out``
+  (a shared-memory slot: a 1080p Qwen2-VL image's 50 MB written where they will be read;
+  a fresh buffer that size costs about as much in page faults as the whole lookup).
 
 Per-architecture layouts (patch order, tiles) live with their contracts:
 models/qwen_vl_image.py, models/internvl_image.py.
@@ -117,6 +119,17 @@ def value_table(ip: Any) -> torch.Tensor:
                   per_channel(ip.image_mean), per_channel(ip.image_std))
 
 
+def output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Where pixel values are written: a new tensor, or the caller's ``out`` (float32,
+    contiguous, ``shape``): e.g. a shared-memory slot, written once, in place."""
+    if out is None:
+        return torch.empty(shape)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {list(shape)}, "
+                         f"got {out.dtype} {list(out.shape)}")
+    return out
+
+
 _CHANNEL_BASE = torch.tensor([0, 256, 512], dtype=torch.int32)
 _CHUNK_SAMPLES = 1 << 18  # samples looked up per pass (1 MiB of int32 indices)
 
@@ -145,5 +158,5 @@ def table_lookup(samples: torch.Tensor, table: torch.Tensor, channel_dim: int,
     return out
 
 
-__all__ = ["BICUBIC", "BILINEAR", "as_pil", "as_tensor", "resize_u8", "rgb_array",
+__all__ = ["BICUBIC", "BILINEAR", "as_pil", "as_tensor", "output", "resize_u8", "rgb_array",
            "smart_resize", "supports_resample", "table_lookup", "value_table"]

@@ -69,17 +69,28 @@ def _tiles(ip: Any, img: torch.Tensor, crop: bool) -> torch.Tensor:
                       image_ops.resize_u8(img, s, s, resample).unsqueeze(0)])
 
 
-def preprocess(ip: Any, rgb: np.ndarray, patch: int, crop: bool
-               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[H, W, 3] uint8 -> (patches [tiles * g * g, 3 * patch**2] float32, (tiles, g, g))."""
+def pixel_shape(ip: Any, h: int, w: int, patch: int, crop: bool) -> tuple[int, int]:
+    """The [rows, columns] of an ``h`` x ``w`` image's patches (before processing)."""
+    s = dict(ip.size)["height"]
+    n = 1
+    if crop and ip.max_patches > 1:
+        cols, rows = tile_grid(h, w, s, s, ip.min_patches, ip.max_patches)
+        n = cols * rows + (cols * rows > 1)
+    return n * (s // patch) ** 2, 3 * patch * patch
+
+
+def preprocess(ip: Any, rgb: np.ndarray, patch: int, crop: bool,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[H, W, 3] uint8 -> (patches [tiles * g * g, 3 * patch**2] float32, (tiles, g, g)),
+    written into ``out`` when given (``image_ops.output``)."""
     tiles = _tiles(ip, image_ops.as_tensor(rgb), crop)
     n, s = tiles.shape[0], tiles.shape[1]
     g = s // patch
     # [n, S, S, 3] -> (n, g, g, 3, p, p): row-major patches, (channel, row, col) in each
     cut = tiles.unflatten(1, (g, patch)).unflatten(3, (g, patch)).permute(0, 1, 3, 5, 2, 4)
-    out = torch.empty(n * g * g, 3 * patch * patch)
+    out = image_ops.output(out, (n * g * g, 3 * patch * patch))
     image_ops.table_lookup(cut, image_ops.value_table(ip), 3, out.view(cut.shape))
     return out, (n, g, g)
 
 
-__all__ = ["preprocess", "tile_grid", "unsupported"]
+__all__ = ["pixel_shape", "preprocess", "tile_grid", "unsupported"]

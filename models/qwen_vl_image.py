@@ -40,26 +40,39 @@ def unsupported(ip: Any) -> str | None:
     return None
 
 
-def preprocess(ip: Any, rgb: np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[H, W, 3] uint8 -> (pixel_values [t*h*w, 3 * tps * patch**2] float32, (1, h, w))."""
-    h, w = rgb.shape[:2]
+def _target(ip: Any, h: int, w: int) -> tuple[int, int]:
     if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
         raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
                          f"got {max(h, w) / min(h, w)}")
-    p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
     size = dict(ip.size)
-    height, width = image_ops.smart_resize(h, w, p * m, size["shortest_edge"],
-                                           size["longest_edge"])
+    return image_ops.smart_resize(h, w, ip.patch_size * ip.merge_size, size["shortest_edge"],
+                                  size["longest_edge"])
+
+
+def pixel_shape(ip: Any, h: int, w: int) -> tuple[int, int]:
+    """The [rows, columns] of an ``h`` x ``w`` image's pixel_values (before processing)."""
+    height, width = _target(ip, h, w)
+    p = ip.patch_size
+    return (height // p) * (width // p), 3 * ip.temporal_patch_size * p * p
+
+
+def preprocess(ip: Any, rgb: np.ndarray, out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[H, W, 3] uint8 -> (pixel_values [t*h*w, 3 * tps * patch**2] float32, (1, h, w)),
+    written into ``out`` when given (``image_ops.output``)."""
+    h, w = rgb.shape[:2]
+    p, m, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    height, width = _target(ip, h, w)
     img = image_ops.resize_u8(image_ops.as_tensor(rgb), height, width, ip.resample)
     gh, gw = height // p, width // p
     # [H, W, 3] -> (gh/m, gw/m, m, m, 3, p, p): HF's order, still a view of the uint8 image
     patches = img.unflatten(0, (gh // m, m, p)).unflatten(3, (gw // m, m, p)) \
         .permute(0, 3, 1, 4, 6, 2, 5)
-    out = torch.empty(gh * gw, 3 * tps * p * p)
+    out = image_ops.output(out, (gh * gw, 3 * tps * p * p))
     # every temporal slot holds the image: written from the one lookup of each sample
     image_ops.table_lookup(patches.unsqueeze(5), image_ops.value_table(ip), 4,
                            out.view(*patches.shape[:5], tps, p, p))
     return out, (1, gh, gw)
 
 
-__all__ = ["preprocess", "unsupported"]
+__all__ = ["pixel_shape", "preprocess", "unsupported"]

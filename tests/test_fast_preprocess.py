@@ -164,6 +164,24 @@ def test_hub_settings_equal_hfs(setup, w, h) -> None:
     assert grid == ref_grid and torch.equal(pv, ref)
 
 
+@pytest.mark.parametrize("w, h", [(1, 1), (641, 479), (97, 333)])
+def test_values_go_where_the_caller_asks(tiny, w, h) -> None:
+    """``pixel_shape`` sizes the output before any work; ``out`` (e.g. a shared-memory
+    slot) receives the values in place, on either path; a wrong one is refused."""
+    model_type, ip, cfg = tiny
+    contract, raw = contract_for_type(model_type), Image.fromarray(photo(w, h))
+    ref, ref_grid = hf_reference(model_type, ip, cfg, raw)
+    shape = contract.pixel_shape(ip, cfg, h, w)
+    assert shape == tuple(ref.shape)
+    for path in ("fast", "hf"):
+        out = torch.full(shape, float("nan"))
+        pv, grid = contract.preprocess_image(ip, raw, cfg, path, out=out)
+        assert pv.data_ptr() == out.data_ptr() and grid == ref_grid
+        assert torch.equal(out, ref), path
+    with pytest.raises(ValueError, match="out must be a contiguous float32 tensor"):
+        contract.preprocess_image(ip, raw, cfg, "fast", out=torch.empty(shape[0] + 1, shape[1]))
+
+
 # -- settings, the knob, the fall-back ------------------------------------------------------------
 def test_other_rescale_and_normalise_settings_are_followed() -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
