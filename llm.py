@@ -74,7 +74,12 @@ class LLM:
             model, limit_mm_per_prompt=self.config.limit_mm_per_prompt,
             media_limits=MediaLimits(allowed_local_media_path=self.config.allowed_local_media_path),
             max_model_len=max_len, tokenizer=tokenizer,
-            cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+            cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None,
+            mm_preprocessor=self.config.mm_preprocessor)
+        if self.config.mm_preprocessor == "fast":  # the resize kernel built or loaded now
+            from triptych.kernels.cpu import image_resample
+
+            image_resample.available()
         if in_process and cache_bytes:
             from triptych.mmcache.local import LocalPixels
             self._local_pixels = LocalPixels(cache_bytes, self.processor)

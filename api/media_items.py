@@ -2,8 +2,9 @@
 
 ``MediaItems`` is the media half of ``InputProcessor`` (api/processor.py): key an item
 (``mmcache.hashing.media_key``), take its metadata from the processor cache on a hit, else
-decode it and run the model's HF preprocessing; and, for an item that left without pixels,
-produce them again from its ``MediaSource`` under the very settings its key was made with.
+decode it and run the model's preprocessing (``mm_preprocessor``: the fast path or HF's);
+and, for an item that left without pixels, produce them again from its ``MediaSource``
+under the very settings its key was made with.
 It reads the attributes ``InputProcessor.__init__`` sets (``media``, ``cache``, ``counts``,
 ``scope``, ``contract``, ``image_processor``, ``hf_config``, ``merge``, the video pixel
 bounds) and its ``_hash_kwargs`` / ``for_request``.
@@ -17,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from triptych.api.media.decode import (
     MediaError,
     MediaLimits,
@@ -30,15 +30,17 @@ from triptych.api.media.decode import (
 from triptych.api.media.video import group_timestamps, preprocess_video, split_groups
 from triptych.engine.request import MMItem
 from triptych.mmcache.hashing import media_key
+from triptych.models.image_ops import rgb_array
 from triptych.mmcache.index import ItemMeta
 from triptych.router.prompt import ProcessedPrompt
 
 _MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses more; say so before it does
 
 
-# What an item can be made from again: a URL not fetched yet, encoded bytes, an RGB image,
-# sampled frames with their rate, or nothing (a uuid the server held, sent without data).
-Payload = str | bytes | Image.Image | tuple[np.ndarray, float] | None
+# What an item can be made from again: a URL not fetched yet, encoded bytes, an image's
+# 8-bit RGB pixels [H, W, 3] (a PIL image given in Python, made RGB once), sampled frames
+# with their rate, or nothing (a uuid the server held, sent without data).
+Payload = str | bytes | np.ndarray | tuple[np.ndarray, float] | None
 
 
 @dataclass
@@ -98,12 +100,17 @@ class MediaItems:
     counts: _Counts
     prep: Any = None  # api/prep_pool.py PrepPool: encoded media are prepared there
     tenant: str | None = None  # whose turn a preparation takes (the pool is fair by tenant)
+    # --mm-preprocessor: "fast" (models/image_ops.py, HF's values at a fraction of the
+    # cost) or "hf" (HF's image processor); the contract picks the code, the key records it
+    mm_preprocessor: str = "fast"
 
     # -- media ----------------------------------------------------------------------------
     def _load(self, kind: str, src: Any, uuid: str | None) -> tuple[MMItem, MediaSource]:
         """Key one item, then either take its metadata from the processor cache or decode +
         preprocess it; offset/length are filled in by _build."""
         kwargs = self._hash_kwargs(kind)
+        if kind == "image":  # the two paths' pixels may differ in the last 8-bit level
+            kwargs = {**kwargs, "preprocessor": self.mm_preprocessor}
         media = dataclasses.replace(self.media, budget=None)
         key = None
         if uuid is not None:
@@ -131,12 +138,15 @@ class MediaItems:
         return item, MediaSource(kind, payload, uuid, meta, media, prepared=prepared)
 
     def _payload(self, kind: str, src: Any) -> Payload:
-        """Encoded bytes of a URL/path, an RGB image, or sampled frames with their rate."""
+        """Encoded bytes of a URL/path, an image's RGB pixels, or sampled frames with their
+        rate."""
         if isinstance(src, str):
             cap = self.media.max_image_bytes if kind == "image" else self.media.max_video_bytes
             return read_media_bytes(src, self.media, cap)
         if kind == "image":
-            return load_image(src, self.media)  # PIL: checked and converted to RGB
+            # PIL: checked, made 8-bit RGB, and copied out of Pillow once; the key hashes
+            # that array in place and the fast path reads it
+            return rgb_array(load_image(src, self.media))
         return load_video(src, self.media, pad=False)  # frame array: checked and sampled
 
     def _lookup(self, key: str) -> ItemMeta | None:
@@ -194,10 +204,11 @@ class MediaItems:
         ip = self.image_processor
         if kind == "image":
             img = decode_image(payload, self.media) if isinstance(payload, bytes) else payload
-            w, h = img.size
+            h, w = img.shape[:2] if isinstance(img, np.ndarray) else (img.height, img.width)
             if max(w, h) > _MAX_ASPECT_RATIO * min(w, h):
                 raise MediaError(f"image is {w}x{h}: aspect ratio above {_MAX_ASPECT_RATIO}")
-            pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config)
+            pixels, grid = self.contract.preprocess_image(ip, img, self.hf_config,
+                                                          self.mm_preprocessor)
             return MMItem("image", key, 0, 0, grid, pixels), None
         frames, fps = decode_video(payload, self.media, pad=False) if isinstance(payload, bytes) \
             else payload

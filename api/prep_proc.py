@@ -98,6 +98,10 @@ def main() -> int:
     from triptych.api.processor import InputProcessor
 
     proc = InputProcessor(start.model_dir, **start.processor_kwargs)
+    if proc.mm_preprocessor == "fast":  # the resize kernel: loaded (P0 built it at start)
+        from triptych.kernels.cpu import image_resample
+
+        image_resample.available()
     write_frame(out, Done())
     while (job := read_frame(inp, Job)) is not None:
         write_frame(out, prepare(proc.for_request(), job))

@@ -6,7 +6,8 @@ t*h*w/merge**2 tokens (one per encoder payload row), wrapped as the model contra
 content hash. Placeholders are built here and only here: client text may not carry them,
 and the engine re-validates what it receives (engine/validate.py).
 
-Images go through HF's PIL image processor via the contract; videos through
+Images go through the model contract's preprocessing (``--mm-preprocessor``: the fast
+path, models/image_ops.py, or HF's image processor); videos through
 api/media/video.py (HF's video processor needs torchvision, see models/tiny.py). A model
 whose contract sets ``video_timestamps`` (Qwen3-VL) gets each video as one item per
 temporal group, each span after its ``<t seconds>`` text, as Qwen3VLProcessor builds it.
@@ -41,8 +42,8 @@ class InputProcessor(MediaItems):
 
     def __init__(self, model_dir: str, *, limit_mm_per_prompt: dict[str, int] | None = None,
                  media_limits: MediaLimits | None = None, max_model_len: int | None = None,
-                 tokenizer: Any | None = None, cache: ProcessorCacheIndex | None = None
-                 ) -> None:
+                 tokenizer: Any | None = None, cache: ProcessorCacheIndex | None = None,
+                 mm_preprocessor: str = "fast") -> None:
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -91,6 +92,7 @@ class InputProcessor(MediaItems):
         self._vision_token_ids = {self.tokenizer.convert_tokens_to_ids(t)
                                   for t in self.placeholder_tokens}
         self.cache = cache
+        self.mm_preprocessor = mm_preprocessor  # "fast" | "hf" (--mm-preprocessor)
         # NOTE: one counters object, shared with the per-request views of for_request (a
         # shallow copy): counts made through a view land here.
         self.counts = _Counts()

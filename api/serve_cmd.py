@@ -313,7 +313,8 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     cache_bytes = processor_cache_bytes(config.mm_processor_cache_gb)
     processor = InputProcessor(model, limit_mm_per_prompt=config.limit_mm_per_prompt,
                                media_limits=media, max_model_len=max_len,
-                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None)
+                               cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None,
+                               mm_preprocessor=config.mm_preprocessor)
     checks = ServerLimits(max_model_len=max_len, vocab_size=text.vocab_size,
                           max_n=limits.max_n, max_prompt_chars=limits.max_prompt_chars,
                           max_prompts=max_pending,
@@ -338,12 +339,17 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
         protect_metrics=limits.protect_metrics,
         **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
+    if config.mm_preprocessor == "fast":  # build (once per machine) or load the resize
+        from triptych.kernels.cpu import image_resample  # kernel now, not on the first image
+
+        image_resample.available()
     workers = prep_workers(limits.mm_processor_workers, config.device)
     if workers:
         from triptych.api.prep_pool import PrepPool
 
         processor.prep = PrepPool(model, workers, limits.max_image_decode_seconds,
-                                  int(limits.mm_processor_memory * (1 << 30)))
+                                  int(limits.mm_processor_memory * (1 << 30)),
+                                  {"mm_preprocessor": config.mm_preprocessor})
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()

@@ -16,6 +16,7 @@ import io
 import time
 from collections.abc import Awaitable, Callable
 
+from triptych.api.media.pixels import to_rgb8
 from triptych.jobs.layout import line_strips
 from triptych.jobs.ocr_output import PageResult
 
@@ -29,11 +30,12 @@ def reads_lines(layout: str, served_model: str) -> bool:
 
 
 def page_strips(image: bytes) -> list[list[bytes]]:
-    """The PNG strips of each text line of an encoded page image, in reading order."""
+    """The PNG strips of each text line of an encoded page image, in reading order (its
+    pixels read as the server reads them: api/media/pixels.py)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(image)) as im:
-        lines = line_strips(im.convert("RGB"))
+        lines = line_strips(to_rgb8(im))
     out = []
     for pieces in lines:
         row = []

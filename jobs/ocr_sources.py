@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from PIL import Image
 from triptych.api.media.decode import IMAGE_FORMATS
+from triptych.api.media.pixels import to_rgb8
 from triptych.jobs.pdf import DocumentError, PageError, PageSize, Rasterizer
 
 logger = logging.getLogger("triptych.jobs")
@@ -175,12 +176,14 @@ def load_image(src: Path | BinaryIO, size: PageSize) -> tuple[bytes, str, int, i
             im.load()
             fmt = (im.format or "").upper()
             if size.target_longest_dim or fmt not in ("PNG", "JPEG", "WEBP"):
-                # Formats a server may not take (TIFF, BMP, ...) and resized pages go as PNG.
+                # Formats a server may not take (TIFF, BMP, ...) and resized pages go as PNG,
+                # read as the server reads pixels (upright, 16 bits scaled, ...) first.
+                rgb = to_rgb8(im)
                 if size.target_longest_dim:
-                    im = im.resize(_resized(w, h, size))
+                    rgb = rgb.resize(_resized(rgb.width, rgb.height, size))
                 buf = io.BytesIO()
-                im.convert("RGB").save(buf, format="PNG")
-                return buf.getvalue(), "image/png", im.width, im.height
+                rgb.save(buf, format="PNG")
+                return buf.getvalue(), "image/png", rgb.width, rgb.height
             src.seek(0)
             return src.read(), Image.MIME[fmt], w, h
     except DocumentError:

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import pypdfium2 as pdfium
 from triptych.api.media.limits import MediaLimits
+from triptych.api.media.pixels import to_rgb8
 
 POINTS_PER_INCH = 72.0
 REOPEN_EVERY = 32  # pages rendered before the document is reopened (drops PDFium's objects)
@@ -130,8 +131,7 @@ def render_page(doc: Any, index: int, size: PageSize = PageSize()) -> PageImage:
             raise PageError(f"the page rendered at {bitmap.width} x {bitmap.height} px, "
                             f"not the {width} x {height} px planned")
         image = bitmap.to_pil()  # a view of the bitmap's buffer: encode before closing it
-        if image.mode != "RGB":
-            image = image.convert("RGB")
+        image = to_rgb8(image)
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         return PageImage(buf.getvalue(), image.width, image.height, wanted)

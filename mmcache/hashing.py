@@ -5,9 +5,10 @@ repeated image costs a hash at most. Three kinds, each behind its own domain tag
 
 - ``hash_media_bytes``: the encoded bytes a client sent (data URL payload, file bytes,
   downloaded bytes). The same file as a data URL or as a path gives the same key.
-- ``hash_image`` / ``hash_video``: decoded pixels, for inputs that have no bytes (a PIL
-  image or a frame array given to the offline API). They cover mode, size, dtype and shape:
-  hashing only the pixel bytes made a 30x100 and a 100x30 image collide (CVE-2025-46722).
+- ``hash_pixels`` / ``hash_image`` / ``hash_video``: decoded pixels, for inputs that have
+  no bytes (a PIL image, made 8-bit RGB once, or a frame array given to the offline API).
+  They cover mode, size, dtype and shape: hashing only the pixel bytes made a 30x100 and a
+  100x30 image collide (CVE-2025-46722). Arrays are hashed in place (no copy).
 - ``hash_uuid``: a client-chosen ``uuid`` of a content part; the client promises that one
   uuid always names the same content (vLLM's semantics). A uuid is a name, not content, so
   its key also covers the *scope* it was named in (the tenant and the request's
@@ -35,9 +36,12 @@ MODALITIES = ("image", "video")
 MAX_UUID_LEN = 256  # a uuid is a label, not a payload
 
 
-def _field(h: Any, data: bytes) -> None:
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)
+def _field(h: Any, data: Any) -> None:
+    """``data``: bytes, or any C-contiguous buffer (an ndarray is hashed in place, never
+    copied)."""
+    view = memoryview(data).cast("B")
+    h.update(view.nbytes.to_bytes(8, "little"))
+    h.update(view)
 
 
 def _kwargs_bytes(kwargs: dict[str, Any]) -> bytes:
@@ -96,6 +100,19 @@ def hash_image(img: Image.Image, processor_kwargs: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def hash_pixels(pixels: np.ndarray, processor_kwargs: dict[str, Any]) -> str:
+    """Key of decoded 8-bit RGB pixels [H, W, 3] uint8 (a PIL image given to the offline
+    API, made RGB once by api/media/pixels.py): dtype and shape, then the array's own
+    buffer, read where it lies (a 1080p image costs the hash alone: no ``tobytes`` copy)."""
+    pixels = np.ascontiguousarray(pixels)  # (a no-op for the arrays the api makes)
+    h = hashlib.blake2b(digest_size=32)
+    _field(h, b"triptych.pixels.v1")
+    _field(h, f"{pixels.dtype.str}|{'x'.join(map(str, pixels.shape))}".encode())
+    _field(h, _kwargs_bytes(processor_kwargs))
+    _field(h, pixels)
+    return h.hexdigest()
+
+
 def hash_video(frames: np.ndarray, processor_kwargs: dict[str, Any], fps: float) -> str:
     """``frames``: [T, H, W, 3] uint8 after sampling; ``fps`` the rate they were sampled at
     (it sets second_per_grid_t, so it changes Qwen2.5-VL's positions)."""
@@ -104,7 +121,7 @@ def hash_video(frames: np.ndarray, processor_kwargs: dict[str, Any], fps: float)
     _field(h, b"triptych.video.v1")
     _field(h, f"{frames.dtype.str}|{'x'.join(map(str, frames.shape))}|{float(fps)!r}".encode())
     _field(h, _kwargs_bytes(processor_kwargs))
-    _field(h, frames.tobytes())
+    _field(h, frames)
     return h.hexdigest()
 
 
@@ -123,6 +140,8 @@ def media_key(modality: str, processor_kwargs: dict[str, Any], *, uuid: str | No
         return hash_uuid(modality, uuid, processor_kwargs, scope)
     if isinstance(payload, bytes):
         return hash_media_bytes(modality, payload, processor_kwargs)
+    if isinstance(payload, np.ndarray) and modality == "image":
+        return hash_pixels(payload, processor_kwargs)
     if isinstance(payload, Image.Image):
         return hash_image(payload, processor_kwargs)
     if isinstance(payload, tuple) and len(payload) == 2:

@@ -22,6 +22,11 @@ from triptych.models.contract import ModelContract
 CROP_TO_PATCHES = True
 
 
+def _patch(hf: Any) -> int:
+    p = hf.vision_config.patch_size
+    return p[0] if isinstance(p, (list, tuple)) else p
+
+
 class InternVLContract(ModelContract):
     architectures = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
@@ -68,16 +73,27 @@ class InternVLContract(ModelContract):
                 **{f: getattr(ip, f, None) for f in ("do_resize", "do_rescale",
                                                      "do_normalize", "do_convert_rgb")}}
 
-    def preprocess_image(self, ip: Any, img: Any, hf: Any
+    def preprocess_image(self, ip: Any, img: Any, hf: Any, preprocessor: str = "fast",
+                         out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The tiles of one image, patchified (models/internvl_image.py on the fast path)."""
+        from triptych.models import image_ops, internvl_image
+        from triptych.models.contract import _into, use_fast
         from triptych.models.internvl import patchify
 
-        tiles = ip(images=[img], crop_to_patches=CROP_TO_PATCHES,
+        p = _patch(hf)
+        if use_fast(preprocessor, ip, internvl_image.unsupported):
+            return internvl_image.preprocess(ip, image_ops.rgb_array(img), p, CROP_TO_PATCHES,
+                                             out)
+        tiles = ip(images=[image_ops.as_pil(img)], crop_to_patches=CROP_TO_PATCHES,
                    return_tensors="pt")["pixel_values"]
-        p = hf.vision_config.patch_size
-        p = p[0] if isinstance(p, (list, tuple)) else p
         g = tiles.shape[-1] // p
-        return patchify(tiles, p), (int(tiles.shape[0]), g, g)
+        return _into(out, patchify(tiles, p)), (int(tiles.shape[0]), g, g)
+
+    def pixel_shape(self, ip: Any, hf: Any, height: int, width: int) -> tuple[int, int]:
+        from triptych.models import internvl_image
+
+        return internvl_image.pixel_shape(ip, height, width, _patch(hf), CROP_TO_PATCHES)
 
     def hf_media_inputs(self, items: list[Any]) -> dict[str, Any] | None:
         from triptych.models.internvl import unpatchify

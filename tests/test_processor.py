@@ -62,7 +62,12 @@ def test_chat_matches_hf_processing(proc, hf_processor):
     ids, pv, grid = hf_reference(hf_processor, messages, [a, b, c])
     assert p.prompt_token_ids == ids
     assert [it.grid_thw for it in p.mm_items] == [tuple(g) for g in grid.tolist()]
-    assert torch.equal(torch.cat([it.pixel_values for it in p.mm_items]), pv)
+    assert torch.equal(torch.cat([it.pixel_values for it in p.mm_items]), pv)  # fast path
+    hf_path = copy.copy(proc)  # --mm-preprocessor hf: HF's processor itself, alike
+    hf_path.mm_preprocessor = "hf"
+    again = hf_path.process_chat(messages).mm_items
+    assert torch.equal(torch.cat([it.pixel_values for it in again]), pv)
+    assert [a.mm_hash for a in again] != [b.mm_hash for b in p.mm_items]  # the key says which
     image_id = proc.image_token_id
     for it in p.mm_items:  # each item's span is exactly its placeholder run
         assert it.modality == "image" and it.length == int(np.prod(it.grid_thw)) // 4

@@ -19,14 +19,15 @@ from triptych.mmcache import ProcessorCacheIndex
 
 
 class Counting:
-    """Counts calls of the real HF image processor (every attribute passes through)."""
+    """Counts the model contract's image preprocessing runs (the real one runs: the fast
+    path or HF's processor, as --mm-preprocessor says; every attribute passes through)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.calls = inner, 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def preprocess_image(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        return self.inner(*args, **kwargs)
+        return self.inner.preprocess_image(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -62,7 +63,7 @@ def make(model_dir: str, tmp_path, cache: ProcessorCacheIndex | None) -> InputPr
     p = InputProcessor(model_dir, limit_mm_per_prompt={"image": 3, "video": 1},
                        media_limits=MediaLimits(allowed_local_media_path=str(tmp_path)),
                        max_model_len=4096, cache=cache)
-    p.image_processor = Counting(p.image_processor)
+    p.contract = Counting(p.contract)
     return p
 
 
@@ -89,13 +90,13 @@ def test_repeated_image_costs_no_processor_run(cproc, tiny_qwen2_vl, tmp_path, d
     path = tmp_path / "one.png"
     path.write_bytes(png(im))
     first = cproc.process_chat(chat(image_part(data_url(im))))
-    assert cproc.image_processor.calls == 1 and decodes[0] == 1
+    assert cproc.contract.calls == 1 and decodes[0] == 1
     (a,) = first.mm_items
     assert a.pixel_values is not None
 
     again = cproc.process_chat(chat(image_part(data_url(im))))
     as_file = cproc.process_chat(chat(image_part(str(path)), text="Another prompt entirely."))
-    assert cproc.image_processor.calls == 1 and decodes[0] == 1  # a hash, nothing else
+    assert cproc.contract.calls == 1 and decodes[0] == 1  # a hash, nothing else
     assert again.prompt_token_ids == first.prompt_token_ids
     for p in (again, as_file):
         (b,) = p.mm_items
@@ -117,7 +118,7 @@ def test_repeated_image_costs_no_processor_run(cproc, tiny_qwen2_vl, tmp_path, d
     # The router can still get the pixels when the chosen worker lacks them.
     pv = cproc.load_pixels(as_file.mm_items[0], as_file.mm_sources[0])
     assert torch.equal(pv, a.pixel_values) and as_file.mm_items[0].pixel_values is pv
-    assert cproc.image_processor.calls == 2
+    assert cproc.contract.calls == 2
     s = cproc.stats()
     assert (s["mm_processor_cache_queries"], s["mm_processor_cache_hits"]) == (3, 2)
     assert s["mm_processor_cache_index_entries"] == 1
@@ -129,7 +130,7 @@ def test_different_images_in_the_same_place_share_nothing(cproc):
     b = cproc.process_chat(chat(image_part(data_url(img(3))))).mm_items[0]
     assert a.mm_hash != b.mm_hash and b.pixel_values is not None
     assert not torch.equal(a.pixel_values, b.pixel_values)
-    assert cproc.image_processor.calls == 2 and cproc.stats()["mm_processor_cache_hits"] == 0
+    assert cproc.contract.calls == 2 and cproc.stats()["mm_processor_cache_hits"] == 0
 
 
 def test_repeated_video_skips_preprocessing(cproc, monkeypatch):
@@ -158,7 +159,7 @@ def test_uuid_names_the_item(cproc, tmp_path):
     path.write_bytes(png(im))
     first = cproc.process_chat(chat(image_part(data_url(im), uuid="cat-1")))
     (a,) = first.mm_items
-    assert cproc.image_processor.calls == 1
+    assert cproc.contract.calls == 1
     by_bytes = cproc.process_chat(chat(image_part(data_url(im)))).mm_items[0]
     assert by_bytes.mm_hash != a.mm_hash  # the uuid, not the bytes, is this item's key
 
@@ -173,11 +174,11 @@ def test_uuid_names_the_item(cproc, tmp_path):
             (a.mm_hash, a.grid_thw, a.length, None)
         with pytest.raises(ValueError, match="no longer cached"):
             cproc.load_pixels(b, p.mm_sources[0])  # nothing to make the pixels from
-    assert cproc.image_processor.calls == 2  # only the by-bytes request ran it
+    assert cproc.contract.calls == 2  # only the by-bytes request ran it
 
     # A uuid hit with data does not fetch it; the router can still produce the pixels.
     p = cproc.process_chat(chat(image_part(str(path), "cat-1")))
-    assert p.mm_sources[0].payload == str(path) and cproc.image_processor.calls == 2
+    assert p.mm_sources[0].payload == str(path) and cproc.contract.calls == 2
     assert torch.equal(cproc.load_pixels(p.mm_items[0], p.mm_sources[0]), a.pixel_values)
 
     with pytest.raises(ValueError, match="unknown image uuid 'dog'"):
@@ -204,7 +205,7 @@ def test_without_a_cache_everything_is_processed(tiny_qwen2_vl, tmp_path):
     url = data_url(img(8))
     p.process_chat(chat(image_part(url, uuid="x")))
     (it,) = p.process_chat(chat(image_part(url, uuid="x"))).mm_items
-    assert p.image_processor.calls == 2 and it.pixel_values is not None
+    assert p.contract.calls == 2 and it.pixel_values is not None
     with pytest.raises(ValueError, match="unknown image uuid"):
         p.process_chat(chat(image_part(None, "x")))
     assert p.stats()["mm_processor_cache_hits"] == 0
@@ -238,7 +239,7 @@ def test_offline_prompts_take_multi_modal_uuids(cproc):
                                   "multi_modal_uuids": {"image": ["photo"]}})
     assert again.prompt_token_ids == first.prompt_token_ids
     assert again.mm_items[0].mm_hash == first.mm_items[0].mm_hash
-    assert cproc.image_processor.calls == 1
+    assert cproc.contract.calls == 1
     with pytest.raises(ValueError, match="1 image"):
         cproc.process_prompt({"prompt": text, "multi_modal_data": {"image": [im]},
                               "multi_modal_uuids": {"image": ["a", "b"]}})

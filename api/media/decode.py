@@ -6,6 +6,10 @@ pixels per video and per request, all checked from headers before pixels are dec
 set by the operator, never raised by a request. Error messages name the problem and the flag,
 never echo decoder internals.
 
+Every image leaves as 8-bit RGB by the rules of api/media/pixels.py (``to_rgb8``: EXIF
+orientation, transparency on white, 16-bit and 32-bit samples scaled, CMYK through its ICC
+profile, the first frame of an animation).
+
 Tiny images (1x1) are accepted: the processor's smart_resize scales them up to its
 min_pixels, as HF does; only aspect ratios above 200 are refused (api/processor.py).
 """
@@ -20,11 +24,23 @@ from typing import Any
 import numpy as np
 from PIL import Image
 from triptych.api.media.limits import MediaError, MediaLimits, PixelBudget
+from triptych.api.media.pixels import to_rgb8
 from triptych.api.media.sources import afetch_bytes, fetch_bytes, is_remote, read_media_bytes
+
+
+
+def _opened_here(names: tuple[str, ...]) -> tuple[str, ...]:
+    # NOTE: Image.open(formats=...) raises KeyError for a name no plugin opens, before it
+    # tries the rest: Pillow 13 opens MPO through its JPEG plugin and registers no "MPO"
+    # opener, which made every GIF, WebP, BMP and TIFF "corrupt". Keep what this Pillow
+    # opens (init() registers every plugin; none runs until asked to open).
+    Image.init()
+    return tuple(n for n in names if n in Image.OPEN)
+
 
 # Only formats with well-trodden decoders; Image.open would otherwise try every plugin
 # (EPS even shells out to Ghostscript).
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
+IMAGE_FORMATS = _opened_here(("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF"))
 # Hard bound on decoded frames per second of video (sampling keeps far fewer): a stream of
 # tiny frames with bogus timestamps cannot make us decode forever.
 _MAX_DECODE_FPS = 120
@@ -34,15 +50,6 @@ _MAX_DECODE_FPS = 120
 
 
 # -- images -----------------------------------------------------------------------------------
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB as HF's processors see it: transparency is composited onto white."""
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
-        rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)),
-                                     rgba).convert("RGB")
-    return img if img.mode == "RGB" else img.convert("RGB")
-
-
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     try:  # PIL raises many types; never echo them (they can leak addresses)
         img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
@@ -62,7 +69,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
-            return _to_rgb(img)
+            return to_rgb8(img)
     except Exception:  # noqa: BLE001
         raise MediaError("cannot decode image: unsupported format or corrupt data") from None
 
@@ -75,7 +82,7 @@ def load_image(src: str | bytes | Image.Image, limits: MediaLimits) -> Image.Ima
             raise MediaError(f"image is above the {limits.max_image_pixels} pixel limit "
                              "(--max-image-pixels)")
         limits.charge(src.width * src.height)
-        return _to_rgb(src)
+        return to_rgb8(src)
     if isinstance(src, bytes):
         if len(src) > limits.max_image_bytes:
             raise MediaError(f"media is larger than the {limits.max_image_bytes} byte limit "
