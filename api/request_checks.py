@@ -19,6 +19,8 @@ from triptych.api.media.decode import MediaLimits
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard, some
 from triptych.api.structured import structured_outputs
+from triptych.api.tools.checks import check_tools
+from triptych.api.tools.plan import ToolSettings
 from triptych.engine.beam_search import MAX_BEAM_WIDTH
 from triptych.engine.sampling_params import SamplingParams
 
@@ -46,6 +48,7 @@ class ServerLimits:
     max_structured_depth: int = 64  # --max-structured-depth: JSON nesting of a schema
     grammar_compile_timeout_s: float = 10.0  # --grammar-compile-timeout
     grammar_compile_procs: int = 2  # --grammar-compile-procs
+    tools: ToolSettings = field(default_factory=ToolSettings)  # --tool-call-parser, ...
 
     @property
     def prompt_chars(self) -> int:
@@ -68,8 +71,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_is_set, "suffix is not supported"),
     "chat_template": (_is_set, ("a chat template in the request is not allowed; the server "
                                "uses the model's")),
-    "tools": (_is_set, "tool calling is not supported"),
-    "functions": (_is_set, "function calling is not supported"),
+    "functions": (_is_set, "the legacy functions field is not supported; use tools"),
+    "prompt_embeds": (_is_set, "prompt_embeds is not supported"),
     "mm_processor_kwargs": (_is_set, "mm_processor_kwargs is not supported yet"),
 }
 
@@ -109,6 +112,27 @@ def check_common(body: ChatCompletionRequest | CompletionRequest, limits: Server
                                                 f"vocabulary [0, {limits.vocab_size})")
     logit_bias(body, limits.vocab_size)
     ngram_guard(body)
+    _logprob_token_ids(body, limits.vocab_size)
+
+
+def _logprob_token_ids(body: ChatCompletionRequest | CompletionRequest, vocab: int) -> None:
+    """vLLM's rules for logprob_token_ids (its words: clients match them)."""
+    ids = body.logprob_token_ids
+    if ids is None:
+        return
+    if not ids:
+        raise bad_request("logprob_token_ids", "`logprob_token_ids` must not be an empty list")
+    if body.use_beam_search:
+        raise bad_request("logprob_token_ids", "`logprob_token_ids` is not supported with "
+                                               "beam search.")
+    if body.logprobs is None or body.logprobs is False:
+        raise bad_request("logprob_token_ids", "when using `logprob_token_ids`, `logprobs` "
+                                               "must be set.")
+    bad = sorted({t for t in ids if t >= vocab})
+    if bad:
+        raise bad_request("logprob_token_ids", f"logprob_token_ids out of vocabulary: "
+                                               f"{some([str(t) for t in bad])} (the "
+                                               f"vocabulary is [0, {vocab}))")
 
 
 def _text_chars(content: Any) -> int:
@@ -131,10 +155,8 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits) -> None:
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request("continue_final_message", "continue_final_message and "
                                                     "add_generation_prompt cannot both be true")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice", "tool calling is not supported")
     kinds = {"image": 0, "video": 0}
-    chars = 0
+    chars = check_tools(body, limits.tools, limits.prompt_chars, limits.max_structured_depth)
     for i, m in enumerate(body.messages):
         if m.content is None and not (m.role == "assistant" and getattr(m, "tool_calls", None)):
             raise bad_request(f"messages.{i}.content", f"a {m.role} message needs content "
@@ -162,6 +184,11 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits) -> None:
 
 
 def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
+    p = body.prompt
+    if p is None or p == [] or (isinstance(p, list) and any(isinstance(x, list) and not x
+                                                             for x in p)):
+        raise bad_request("prompt", "Either prompt or prompt_embeds must be provided and "
+                                    "non-empty.")
     check_common(body, limits)
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts:
@@ -188,6 +215,11 @@ def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
                                                       f"{k[:40]!r}")
     if body.documents is not None:
         kw["documents"] = body.documents
+    from triptych.api.tools.checks import chat_plan
+
+    plan = chat_plan(body) if body.tools else None
+    if plan is not None:  # the model's own template renders the definitions
+        kw["tools"] = plan.template_tools()
     return kw
 
 
@@ -256,7 +288,10 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             seed=body.seed, max_tokens=requested or room, min_tokens=body.min_tokens,
             stop=stop or None, stop_token_ids=body.stop_token_ids or None,
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            ignore_eos=body.ignore_eos,
+            # logprob_token_ids: those ids stand in for the top-k (vLLM)
+            logprobs=0 if body.logprob_token_ids else logprobs,
+            logprob_token_ids=body.logprob_token_ids or None,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias(body, limits.vocab_size),

@@ -59,6 +59,11 @@ def structured_outputs(body: Any, max_depth: int | None = None
     """The request's output constraint, or None. Raises APIError (400) on a bad one (one
     nested deeper than ``max_depth`` included)."""
     given: list[tuple[str, dict[str, Any]]] = []
+    from triptych.api.tools.checks import tool_constraint
+
+    tool = tool_constraint(body)  # tool_choice required / named (api/tools/)
+    if tool is not None:
+        given.append(("tools", tool))
     rf = getattr(body, "response_format", None)
     if _set(rf):
         d = _from_response_format(rf)
@@ -75,6 +80,8 @@ def structured_outputs(body: Any, max_depth: int | None = None
             given.append((name, {kind: v}))
     if not given:
         return None
+    if len(given) > 1 and given[0][0] == "tools":
+        given = given[:1]  # (check_tools refuses a second constraint beside a named choice)
     if len(given) > 1:
         raise bad_request(given[1][0], "give one output constraint; this request has "
                                        f"{', '.join(n for n, _ in given)}")
@@ -127,6 +134,10 @@ def json_depth(text: str) -> int:
 
 
 def _param(body: Any) -> str:
+    from triptych.api.tools.checks import tool_constraint
+
+    if tool_constraint(body) is not None:
+        return "tools"
     for name in ("response_format", "structured_outputs", *_GUIDED):
         if _set(getattr(body, name, None)):
             return name
