@@ -230,6 +230,16 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         jobs, slots = await stage.completion(body, tenant_of(raw.scope))
         return await run(jobs, slots, body, raw, chat=False)
 
+    from triptych.api.chat_batch import add_chat_batch_routes
+    from triptych.api.responses import add_responses_routes
+    from triptych.api.tokenize import add_tokenize_routes
+
+    surface = config.surface
+    add_tokenize_routes(app, stage, check_model, surface.tokenizer_info)
+    add_chat_batch_routes(app, stage, run, check_model, config.max_pending)
+    add_responses_routes(app, client, stage, config.served_model, check_model,
+                         surface.store_entries, surface.store_bytes)
+
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:
         """SageMaker's entry point: a chat body (``messages``) or a completion (``prompt``)."""

@@ -137,5 +137,13 @@ def parser_for(name: str) -> TagParser:
                          f"{', '.join(sorted(PARSERS))}") from None
 
 
-__all__ = ["CallView", "HermesParser", "InternLMParser", "PARSERS", "TagParser", "TextView",
-           "parser_for", "read_object"]
+__all__ = [
+    "PARSERS",
+    "CallView",
+    "HermesParser",
+    "InternLMParser",
+    "TagParser",
+    "TextView",
+    "parser_for",
+    "read_object",
+]

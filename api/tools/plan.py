@@ -189,9 +189,11 @@ def constraint(plan: ToolPlan) -> dict[str, Any] | None:
             schema["$defs"] = defs
     else:
         return None
-    # NOTE: no free whitespace: a call is read as soon as its JSON closes, and a weak model
-    # must not spend its tokens on indentation.
-    return {"json": schema, "disable_any_whitespace": True}
+    # NOTE: no free whitespace (a weak model must not spend its tokens on indentation) and
+    # no properties the schema does not name (OpenAI's strict function calling; vLLM's
+    # xgrammar default): a call is exactly what the definition allows.
+    return {"json": schema, "disable_any_whitespace": True,
+            "disable_additional_properties": True}
 
 
 def tools_chars(tools: Any) -> int:
@@ -200,5 +202,12 @@ def tools_chars(tools: Any) -> int:
     return len(json.dumps(tools)) if tools else 0
 
 
-__all__ = ["Function", "MAX_TOOLS", "ToolPlan", "ToolSettings", "constraint", "plan_tools",
-           "tools_chars"]
+__all__ = [
+    "MAX_TOOLS",
+    "Function",
+    "ToolPlan",
+    "ToolSettings",
+    "constraint",
+    "plan_tools",
+    "tools_chars",
+]
