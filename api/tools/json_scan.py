@@ -132,6 +132,29 @@ def scan_object(text: str, i: int) -> ObjectScan:
         i = end
 
 
+def escape_controls(raw: str) -> str:
+    """``raw`` (JSON, possibly unfinished) with every control character inside a string
+    written as its ``\\u00XX`` escape. JSON forbids them raw, and a grammar may still let a
+    weak model write one (xgrammar's strings take any character but the quote, backslash,
+    CR and LF); escaping keeps the value and makes the text JSON. Character by character,
+    so the escaped text of a prefix is a prefix of the escaped whole (what streamed stays)."""
+    if not any(c < " " for c in raw):
+        return raw
+    out, in_string, escaped = [], False, False
+    for c in raw:
+        if in_string and c < " " and not escaped:
+            out.append(f"\\u{ord(c):04x}")
+            continue
+        out.append(c)
+        if escaped:
+            escaped = False
+        elif in_string and c == "\\":
+            escaped = True
+        elif c == '"':
+            in_string = not in_string
+    return "".join(out)
+
+
 def scan_array(text: str, i: int) -> tuple[list[ObjectScan], int | None, bool]:
     """The objects of the array whose ``[`` is at ``text[i]``: (elements, the index after
     ``]`` or None, whether the text stopped being an array of objects)."""
@@ -160,4 +183,5 @@ def scan_array(text: str, i: int) -> tuple[list[ObjectScan], int | None, bool]:
         i = obj.end
 
 
-__all__ = ["ObjectScan", "scan_array", "scan_object", "skip_ws", "value_end"]
+__all__ = ["ObjectScan", "escape_controls", "scan_array", "scan_object", "skip_ws",
+           "value_end"]

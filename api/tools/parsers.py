@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from triptych.api.tools.json_scan import scan_object, skip_ws
+from triptych.api.tools.json_scan import escape_controls, scan_object, skip_ws
 
 
 @dataclass
@@ -66,6 +66,7 @@ def read_object(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[CallView
             name = None
     key = next((k for k in args_keys if k in obj.values), None)
     args = obj.raw(text, key) if key else None
+    args = escape_controls(args) if args is not None else None
     done = obj.end is not None and name is not None and (
         args is None or (obj.complete(key) and _finish_args(args)))
     if obj.end is not None and args is None:

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from triptych.api.tools.json_scan import scan_array, skip_ws
+from triptych.api.tools.json_scan import escape_controls, scan_array, skip_ws
 from triptych.api.tools.parsers import CallView, TextView, parser_for, read_object
 from triptych.api.tools.plan import ToolPlan
 
@@ -63,7 +63,7 @@ class ToolReader:
     def view(self, text: str) -> TextView:
         choice = self.plan.choice
         if choice == "named":  # the whole text is the arguments
-            raw = text[skip_ws(text, 0):].rstrip()
+            raw = escape_controls(text[skip_ws(text, 0):].rstrip())
             return TextView("", [CallView(self.plan.named, raw or None, _is_json(raw))])
         if choice == "required":
             return read_required(text)
