@@ -46,7 +46,11 @@ def _from_response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad_request("response_format", "response_format json_schema needs "
                                                  "json_schema.schema (a JSON schema object)")
-        # NOTE: strict or not, the schema is enforced (the grammar allows nothing else).
+        # NOTE: strict or not, the schema is enforced (the grammar allows nothing else);
+        # strict (OpenAI's strict structured outputs) also means no property the schema
+        # does not name, as vLLM's xgrammar default has it.
+        if js.get("strict"):
+            return {"json": js["schema"], "disable_additional_properties": True}
         return {"json": js["schema"]}
     if kind == "structural_tag":
         return {"structural_tag": json.dumps({k: v for k, v in rf.items() if k != "type"})}
