@@ -44,10 +44,9 @@ class _AllSlots:
 
 
 def add_chat_batch_routes(app: FastAPI, stage: Any, run: Any, check_model: Any,
-                          max_conversations: int) -> None:
-    """``run(jobs, slots, body, raw, chat=True)``: the server's responder for chat jobs."""
-    from triptych.api.server import validation_response
-
+                          max_conversations: int, validation_response: Any) -> None:
+    """``run(jobs, slots, body, raw, chat=True)``: the server's responder for chat jobs;
+    ``check_model``, ``validation_response``: the server's (api/server.py)."""
     @app.post("/v1/chat/completions/batch")
     async def batch(raw: Request) -> Response:
         try:

@@ -235,10 +235,11 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     from triptych.api.tokenize import add_tokenize_routes
 
     surface = config.surface
-    add_tokenize_routes(app, stage, check_model, surface.tokenizer_info)
-    add_chat_batch_routes(app, stage, run, check_model, config.max_pending)
+    add_tokenize_routes(app, stage, check_model, surface.tokenizer_info, validation_response)
+    add_chat_batch_routes(app, stage, run, check_model, config.max_pending,
+                          validation_response)
     add_responses_routes(app, client, stage, config.served_model, check_model,
-                         surface.store_entries, surface.store_bytes)
+                         surface.store_entries, surface.store_bytes, validation_response)
 
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:

@@ -87,11 +87,10 @@ def _special_ids(tok: Any) -> tuple[list[int], list[int]]:
     return marked[:at], marked[at + len(plain):]
 
 
-def add_tokenize_routes(app: FastAPI, stage: Any, check_model: Any, tokenizer_info: bool
-                        ) -> None:
-    """``stage``: the server's InputStage (processor, limits, media fetcher, admission)."""
-    from triptych.api.server import validation_response
-
+def add_tokenize_routes(app: FastAPI, stage: Any, check_model: Any, tokenizer_info: bool,
+                        validation_response: Any) -> None:
+    """``stage``: the server's InputStage (processor, limits, media fetcher, admission);
+    ``check_model`` and ``validation_response``: the server's (api/server.py)."""
     processor, limits = stage.processor, stage.limits
     tok = processor.tokenizer
     head, tail = _special_ids(tok)

@@ -15,6 +15,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 
@@ -38,10 +39,9 @@ def format_error(number: int, raw: str | None, nbytes: int, limit: int) -> str |
     return None
 
 
-def check_file(path: str, limit: int) -> str | None:
-    """The first format error of the batch file at ``path``, or None."""
-    from triptych.jobs.run_batch import read_line
-
+def check_file(path: str, limit: int, read_line: Callable[..., Any]) -> str | None:
+    """The first format error of the batch file at ``path``, or None. ``read_line``:
+    run_batch's, which reads a line of any length in bounded memory."""
     number = 0
     with open(path, "rb") as f:
         while (got := read_line(f, limit)) is not None:

@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.per_line_errors:  # vLLM's: the whole file is checked before any request
         if args.input_file == "-":
             args.input_file = spooled = spool_stdin()
-        problem = check_file(args.input_file, args.max_line_bytes)
+        problem = check_file(args.input_file, args.max_line_bytes, read_line)
         if problem is not None:
             if spooled:
                 os.unlink(spooled)

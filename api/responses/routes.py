@@ -115,9 +115,10 @@ class _Ctx:
 
 
 def add_responses_routes(app: FastAPI, client: Any, stage: Any, model: str, check_model: Any,
-                         store_entries: int, store_bytes: int) -> None:
-    from triptych.api.server import validation_response
-
+                         store_entries: int, store_bytes: int, validation_response: Any
+                         ) -> None:
+    """The routes over the server's engine client, InputStage and served name;
+    ``check_model``, ``validation_response``: the server's (api/server.py)."""
     ctx = _Ctx(client, stage, model)
     store = ResponseStore(store_entries, store_bytes)
 

@@ -28,8 +28,6 @@ def chat_plan(body: Any, settings: ToolSettings | None = None) -> ToolPlan | Non
 
 def check_tools(body: Any, settings: ToolSettings, max_chars: int, max_depth: int) -> int:
     """Check the chat body's tools; returns the characters they add to the prompt."""
-    from triptych.api.structured import json_depth
-
     plan = chat_plan(body, settings)
     if plan is None:
         return 0
@@ -38,7 +36,7 @@ def check_tools(body: Any, settings: ToolSettings, max_chars: int, max_depth: in
         raise bad_request("tools", f"the tool definitions hold {chars} characters; this "
                                    f"server takes at most {max_chars} (--max-prompt-chars)")
     for i, f in enumerate(plan.functions):
-        if f.parameters and json_depth(_dumps(f.parameters)) > max_depth:
+        if f.parameters and nesting(f.parameters) > max_depth:
             raise bad_request(f"tools.{i}.function.parameters",
                               f"tools.{i}: the parameters schema nests deeper than "
                               f"{max_depth} levels (--max-structured-depth)")
@@ -65,10 +63,15 @@ def tool_constraint(body: Any) -> dict[str, Any] | None:
     return constraint(plan) if plan is not None else None
 
 
-def _dumps(v: Any) -> str:
-    import json
-
-    return json.dumps(v)
+def nesting(value: Any) -> int:
+    """How deep ``value`` nests dicts and lists (without recursion: a body may nest deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            todo += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 __all__ = ["chat_plan", "check_tools", "tool_constraint"]
