@@ -185,10 +185,14 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits) -> None:
 
 def check_completion(body: CompletionRequest, limits: ServerLimits) -> None:
     p = body.prompt
-    if p is None or p == [] or (isinstance(p, list) and any(isinstance(x, list) and not x
-                                                             for x in p)):
+    if p is None or p == []:  # (vLLM's words)
         raise bad_request("prompt", "Either prompt or prompt_embeds must be provided and "
                                     "non-empty.")
+    empty = next((i for i, x in enumerate(p) if isinstance(x, list) and not x), None) \
+        if isinstance(p, list) else None
+    if empty is not None:
+        raise bad_request(f"prompt.{empty}", f"prompt.{empty}: a token-id prompt needs at "
+                                             "least 1 token")
     check_common(body, limits)
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts:
