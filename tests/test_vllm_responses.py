@@ -493,3 +493,27 @@ def test_the_store_is_bounded_per_tenant_and_says_by_which_flag(server):
     for r in running:
         bob.responses.cancel(r.id)
     assert bob.responses.create(input="again", background=True).status == "queued"
+
+
+def test_tokenize_is_tenant_scoped_like_every_route(server):
+    """/tokenize and /detokenize need a key as /v1/* do, and a uuid one tenant sent with
+    its image resolves for that tenant only."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": SUM}, "uuid": "sum-image"}]}]}
+    for path, data in (("/tokenize", body), ("/detokenize", {"tokens": [1, 2]})):
+        assert httpx.post(server.base + path, json=data, timeout=30).status_code == 401
+    alice = {"Authorization": f"Bearer {KEY_A}"}
+    bob = {"Authorization": f"Bearer {KEY_B}"}
+    client_for(server).chat.completions.create(model="ocr_demo", messages=body["messages"],
+                                               max_tokens=1)  # alice's server now holds it
+    by_uuid = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": None, "uuid": "sum-image"}]}]}
+    mine = httpx.post(server.base + "/tokenize", json=by_uuid, headers=alice, timeout=30)
+    assert mine.status_code == 200, mine.text
+    assert mine.json()["count"] == httpx.post(server.base + "/tokenize", json=body,
+                                              headers=alice, timeout=30).json()["count"]
+    theirs = httpx.post(server.base + "/tokenize", json=by_uuid, headers=bob, timeout=30)
+    assert theirs.status_code == 400 and "unknown image uuid" in theirs.json()["error"][
+        "message"]
