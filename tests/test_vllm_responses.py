@@ -40,7 +40,6 @@ import sys
 
 import jsonschema
 import pytest
-from PIL import Image
 
 sys.path.insert(0, os.path.dirname(__file__))
 import openai
