@@ -15,10 +15,15 @@ run the batch (``llm.close()`` stops them; they also stop when this process exit
 Tenancy as on the server (docs/tenancy.md): a prompt dict's ``"cache_salt"`` (vLLM's) or
 ``chat(..., cache_salt=...)`` scopes that request's prefix-cache hits and media uuids; a
 request with another salt (or none) neither hits nor resolves them.
+
+``del llm`` (then ``gc.collect()``) frees what ``close()`` frees, pools, processes, Ray
+actors and placement groups, shared memory, threads and device memory included: the
+engine's parts are released by a ``weakref.finalize`` that holds them, not the LLM.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
@@ -40,6 +45,20 @@ from triptych.engine.outputs import RequestOutput
 from triptych.engine.sampling_params import SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}} | ProcessedPrompt
+
+
+def _release(parts: list[Any]) -> None:
+    """What ``close()`` and the garbage collector free (run once, whichever comes first).
+    ``parts``: [engine, pools], emptied first so that nothing holds the engine while its
+    device memory goes back."""
+    engine, pools = parts
+    parts.clear()
+    if pools is not None:
+        pools.close()
+    if engine is not None:
+        engine.close()
+        del engine
+        release_device_memory()
 
 
 class LLM:
@@ -88,6 +107,7 @@ class LLM:
             from triptych.router.thread import RouterThread
             self.pools = RouterThread(self.config, tokenizer, self.processor)
         self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, _release, [self.engine, self.pools])
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -96,13 +116,8 @@ class LLM:
         """Stop the worker processes (pools), or release the in-process engine: its model,
         KV cache and encoder cache are dropped (on CUDA their memory goes back to the
         device, so another engine in this process starts with the whole share)."""
-        if self.pools is not None:
-            self.pools.close()
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
-            del engine
-            release_device_memory()
+        self.engine = None
+        self._finalizer()
 
     def __enter__(self) -> Self:
         return self

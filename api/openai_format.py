@@ -96,11 +96,25 @@ class Shape:
     block_size: int = 16  # KV block: what the prefix cache can hold (created_cache_tokens)
     prefix_caching: bool = True
     prompt_logprobs: bool = False  # the response carries prompt_logprobs (vLLM's field)
+    tools: Any = None  # chat: the request's ToolPlan (api/tools/), read back as tool_calls
 
 
 class Formatter:
     def __init__(self, tokenizer: Any, shape: Shape, rid: str, created: int) -> None:
         self.tok, self.s, self.rid, self.created = tokenizer, shape, rid, created
+        self._tool_text: dict[int, tuple[Any, str]] = {}  # streamed choice -> (reader, text)
+
+    def _tool_delta(self, index: int, c: wire.CompletionDelta) -> tuple[dict, str | None]:
+        """A streamed chat choice's delta and finish reason with tool calls read out of
+        its text (api/tools/reader.py)."""
+        from triptych.api.tools.reader import ToolReader
+
+        reader, text = self._tool_text.get(index) or (ToolReader(self.s.tools), "")
+        text += c.text
+        self._tool_text[index] = (reader, text)
+        done = c.finish_reason is not None
+        return reader.deltas(text, done), reader.finish_reason(c.finish_reason) if done \
+            else None
 
     # -- pieces ---------------------------------------------------------------------------
     def _token(self, tid: int) -> str:
@@ -227,8 +241,15 @@ class Formatter:
                     c.lp_items = {k: [] for k in keys}
                 lp = f"\0{nonce}:{i}\0"
                 spliced[_dumps(lp)] = c.logprobs_json(head)
+            if self.s.chat and self.s.tools is not None:  # tool calls read out (api/tools/)
+                from triptych.api.tools.reader import ToolReader
+
+                ch["message"], c.finish_reason = ToolReader(self.s.tools).message(
+                    c.text, c.finish_reason)
+                if p.echo and isinstance(ch["message"].get("content"), str):
+                    ch["message"]["content"] = p.echo + ch["message"]["content"]
             if self.s.chat:
-                ch["message"] = {"role": "assistant", "content": p.echo + c.text}
+                ch.setdefault("message", {"role": "assistant", "content": p.echo + c.text})
                 ch["logprobs"] = lp
             else:
                 ch["text"] = p.echo + c.text
@@ -283,8 +304,12 @@ class Formatter:
         first and whose ids ride along (return_token_ids), as in vLLM's first chunk. So
         with logprobs asked for, every completions chunk carries a logprobs object."""
         ch: dict[str, Any] = {"index": index}
-        if self.s.chat:
+        reason = c.finish_reason
+        if self.s.chat and self.s.tools is not None:
+            ch["delta"], reason = self._tool_delta(index, c)
+        elif self.s.chat:
             ch["delta"] = {"content": c.text} if c.text else {}
+        if self.s.chat:
             ch["logprobs"] = (self.chat_logprobs(c.token_ids, c.logprobs or [])
                               if self.s.logprobs is not None else None)
         else:
@@ -299,7 +324,7 @@ class Formatter:
                 ch["logprobs"] = lp
             if first is not None and self.s.token_ids:
                 ch["prompt_token_ids"] = first.token_ids
-        ch["finish_reason"], ch["stop_reason"] = c.finish_reason, c.stop_reason
+        ch["finish_reason"], ch["stop_reason"] = reason, c.stop_reason
         if self.s.token_ids:
             ch["token_ids"] = c.token_ids
         return ch

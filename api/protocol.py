@@ -25,6 +25,7 @@ MAX_STOP_CHARS = 1000  # characters per stop string (each is searched for after 
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap on logprob_token_ids
 
 
 def _utf8(s: str) -> str:
@@ -145,6 +146,9 @@ class _Common(_Model):
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM: these ids' logprobs at every output token, whatever their rank (needs logprobs)
+    logprob_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LOGPROB_TOKEN_IDS)] | \
+        None = None
     add_special_tokens: bool | None = None  # no-op for Qwen2-VL's tokenizer (adds no BOS)
     priority: int = Field(0, ge=-INT64 - 1, le=INT64)
     user: str | None = None
@@ -201,8 +205,9 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Text]] | None = None
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked in api/tools/ (vLLM's rules)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
     @model_validator(mode="after")
@@ -228,7 +233,9 @@ class ChatCompletionRequest(_Common):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template and the processor read them."""
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        from triptych.api.tools.messages import template_messages
+
+        return template_messages([m.model_dump(exclude_none=True) for m in self.messages])
 
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
@@ -237,13 +244,11 @@ class ChatCompletionRequest(_Common):
         return "max_tokens", self.max_tokens
 
 
-PromptIds = Annotated[list[TokenId], Field(min_length=1)]
-
-
 class CompletionRequest(_Common):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | PromptIds | \
-        Annotated[list[PromptIds], Field(min_length=1)]
+    # (None or empty is refused by name, as vLLM does: api/request_checks.py)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = None
+    prompt_embeds: Any = None  # refused by name (api/request_checks.py)
     max_tokens: int | None = Field(16, ge=1, le=INT32)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

@@ -42,6 +42,8 @@ from triptych.api.sampling_checks import context_error, logit_bias, ngram_guard,
 from triptych.api.structured import structured_outputs
 from triptych.api.template_cost import TemplateCost
 from triptych.api.tenancy import cache_scope
+from triptych.api.tools.checks import check_tools
+from triptych.api.tools.plan import ToolSettings
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.structured_params import StructuredOutputsParams
 
@@ -71,6 +73,7 @@ class ServerLimits:
     grammar_compile_timeout_s: float = 10.0  # --grammar-compile-timeout
     grammar_compile_procs: int = 2  # --grammar-compile-procs
     template: TemplateCost = field(default_factory=TemplateCost)  # the chat template's size
+    tools: ToolSettings = field(default_factory=ToolSettings)  # --tool-call-parser, ...
 
     @property
     def prompt_chars(self) -> int:
@@ -120,8 +123,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_is_set, "suffix is not supported"),
     "chat_template": (_is_set, ("a chat template in the request is not allowed; the server "
                                "uses the model's")),
-    "tools": (_is_set, "tool calling is not supported"),
-    "functions": (_is_set, "function calling is not supported"),
+    "functions": (_is_set, "the legacy functions field is not supported; use tools"),
+    "prompt_embeds": (_is_set, "prompt_embeds is not supported"),
     "mm_processor_kwargs": (_is_set, "mm_processor_kwargs is not supported yet"),
 }
 
@@ -148,6 +151,7 @@ def _check_common(body: Body, limits: ServerLimits, num_prompts: int, tenant: st
         if tid >= limits.vocab_size:
             raise bad_request("stop_token_ids", f"stop token id {tid} is outside the "
                                                 f"vocabulary [0, {limits.vocab_size})")
+    _logprob_token_ids(body, limits.vocab_size)
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -156,6 +160,26 @@ def _check_common(body: Body, limits: ServerLimits, num_prompts: int, tenant: st
         body, tenant, cache_scope(tenant, body.cache_salt), num_prompts * body.n, logprobs,
         structured_outputs(body, limits.max_structured_depth),
         logit_bias(body, limits.vocab_size), ngram_guard(body, limits.vocab_size))
+
+
+def _logprob_token_ids(body: Body, vocab: int) -> None:
+    """vLLM's rules for logprob_token_ids (its words: clients match them)."""
+    ids = body.logprob_token_ids
+    if ids is None:
+        return
+    if not ids:
+        raise bad_request("logprob_token_ids", "`logprob_token_ids` must not be an empty list")
+    if body.use_beam_search:
+        raise bad_request("logprob_token_ids", "`logprob_token_ids` is not supported with "
+                                               "beam search.")
+    if body.logprobs is None or body.logprobs is False:
+        raise bad_request("logprob_token_ids", "when using `logprob_token_ids`, `logprobs` "
+                                               "must be set.")
+    bad = sorted({t for t in ids if t >= vocab})
+    if bad:
+        raise bad_request("logprob_token_ids", f"logprob_token_ids out of vocabulary: "
+                                               f"{some([str(t) for t in bad])} (the "
+                                               f"vocabulary is [0, {vocab}))")
 
 
 def _check_chars(n: int, limits: ServerLimits, param: str, what: str) -> None:
@@ -168,11 +192,10 @@ def _check_chars(n: int, limits: ServerLimits, param: str, what: str) -> None:
 def check_chat(body: ChatCompletionRequest, limits: ServerLimits, tenant: str | None = None
                ) -> CheckedRequest:
     """The validation pass of a chat request (``tenant``: its API key's; None: anonymous)."""
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice", "tool calling is not supported")
     checked = _check_common(body, limits, 1, tenant)
     kinds = {"image": 0, "video": 0}
-    chars = 0
+    # tool definitions count as text (the template renders them)
+    chars = check_tools(body, limits.tools, limits.prompt_chars, limits.max_structured_depth)
     for m in body.messages:
         chars += 1
         if isinstance(m.content, str):
@@ -214,6 +237,15 @@ def check_chat(body: ChatCompletionRequest, limits: ServerLimits, tenant: str | 
 def check_completion(body: CompletionRequest, limits: ServerLimits, tenant: str | None = None
                      ) -> CheckedRequest:
     """The validation pass of a completion request."""
+    p = body.prompt
+    if p is None or p == []:  # (vLLM's words)
+        raise bad_request("prompt", "Either prompt or prompt_embeds must be provided and "
+                                    "non-empty.")
+    empty = next((i for i, x in enumerate(p) if isinstance(x, list) and not x), None) \
+        if isinstance(p, list) else None
+    if empty is not None:
+        raise bad_request(f"prompt.{empty}", f"prompt.{empty}: a token-id prompt needs at "
+                                             "least 1 token")
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts:
         raise bad_request("prompt", f"{len(prompts)} prompts in one request; this server takes "
@@ -242,6 +274,11 @@ def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
                                                       f"{k[:40]!r}")
     if body.documents is not None:
         kw["documents"] = body.documents
+    from triptych.api.tools.checks import chat_plan
+
+    plan = chat_plan(body) if body.tools else None
+    if plan is not None:  # the model's own template renders the definitions
+        kw["tools"] = plan.template_tools()
     return kw
 
 
@@ -310,7 +347,10 @@ def sampling_params(checked: CheckedRequest, prompt_len: int, limits: ServerLimi
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             seed=body.seed, max_tokens=requested or room, min_tokens=body.min_tokens,
             stop=stop or None, stop_token_ids=body.stop_token_ids or None,
-            ignore_eos=body.ignore_eos, logprobs=checked.logprobs,
+            ignore_eos=body.ignore_eos,
+            # logprob_token_ids: those ids stand in for the top-k (vLLM)
+            logprobs=0 if body.logprob_token_ids else checked.logprobs,
+            logprob_token_ids=body.logprob_token_ids or None,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=checked.logit_bias,

@@ -28,6 +28,9 @@ def add_parser(subparsers: Any) -> None:
                     "demo checkpoint is served: a tiny model trained to transcribe printed "
                     "lines and short pages (point --model at a real checkpoint).")
     add_engine_args(p, model_required=False)
+    from triptych.api.surface_flags import add_surface_args
+
+    add_surface_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (use 0.0.0.0 to expose the server deliberately)")
@@ -211,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
             args.max_inflight_body_bytes < 0:
         fail("--max-inflight-body-bytes must be 0 or at least --max-request-bytes")
     tenants = _tenants(args)
+    from triptych.api.surface_flags import surface_config
+
+    surface_config(args)  # bad tool / store flags fail here
     model, name = served_model(args, model)
     config = engine_config_from_args(args, model=model)
     from triptych.router.errors import ClusterError
@@ -290,11 +296,13 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     from triptych.api.request_checks import ServerLimits
     from triptych.api.template_cost import TemplateCost
     from triptych.api.server import AppConfig, build_app
+    from triptych.api.surface_flags import surface_config
     from triptych.engine.engine_core import resolve_max_model_len
     from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
     from triptych.router.router import Router
 
     frames, fps = _video_caps(limits)
+    surface = surface_config(limits)
     max_pending = max_pending or limits.max_pending_requests
     hf = AutoConfig.from_pretrained(model, local_files_only=True)
     text = getattr(hf, "text_config", hf)
@@ -322,7 +330,8 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
                           max_structured_depth=limits.max_structured_depth,
                           grammar_compile_timeout_s=limits.grammar_compile_timeout,
                           grammar_compile_procs=limits.grammar_compile_procs,
-                          template=TemplateCost.of_tokenizer(processor.tokenizer))
+                          template=TemplateCost.of_tokenizer(processor.tokenizer),
+                          tools=surface.tools)
     cache_info = {"block_size": str(config.block_size),
                   "enable_prefix_caching": str(config.enable_prefix_caching),
                   "num_gpu_blocks_override": str(config.num_kv_blocks),
@@ -337,7 +346,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         body_share=limits.max_body_share,
         max_media_fetches=limits.max_concurrent_media_fetches, block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching, cache_info=cache_info,
-        protect_metrics=limits.protect_metrics,
+        protect_metrics=limits.protect_metrics, surface=surface,
         **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
     if config.mm_preprocessor == "fast":  # build (once per machine) or load the resize
         from triptych.kernels.cpu import image_resample  # kernel now, not on the first image

@@ -39,7 +39,9 @@ from triptych.api.processor import InputProcessor
 from triptych.api.protocol import ChatCompletionRequest, CompletionRequest
 from triptych.api.request_checks import ServerLimits
 from triptych.api.serving import Generation, Job, Responder
+from triptych.api.surface_flags import SurfaceConfig
 from triptych.api.tenancy import AuthMiddleware, Tenants, sees_detail, tenant_of
+from triptych.api.tools.checks import chat_plan
 
 logger = logging.getLogger("triptych.api")
 _TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "json_invalid"}
@@ -64,6 +66,7 @@ class AppConfig:
     cache_info: dict[str, str] = field(default_factory=dict)  # cache_config_info labels
     tenants: Tenants = field(default_factory=Tenants)  # API keys (none: an open server)
     protect_metrics: bool = False  # /metrics needs a key too
+    surface: SurfaceConfig = field(default_factory=SurfaceConfig)  # tools, responses store
 
 
 def field_path(loc: tuple) -> str:
@@ -209,10 +212,14 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         rid = client.new_request_id("chatcmpl" if chat else "cmpl")
         logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat \
             else body.logprobs
+        if body.logprob_token_ids and logprobs is not None:  # every asked id is listed
+            logprobs = len(body.logprob_token_ids) + 1
+        plan = chat_plan(body, limits.tools) if chat and body.tools else None
         shape = Shape(chat, config.served_model, body.n, logprobs,
                       bool(body.return_tokens_as_token_ids), bool(body.return_token_ids),
                       config.block_size, config.enable_prefix_caching,
-                      body.prompt_logprobs is not None)
+                      body.prompt_logprobs is not None,
+                      plan if plan is not None and plan.choice != "none" else None)
         engine = client
         if body.use_beam_search:
             layout = getattr(client, "layout", None)
@@ -241,6 +248,17 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
         check_model(body.model)
         jobs, slots = await stage.completion(body, tenant_of(raw.scope))
         return await run(jobs, slots, body, raw, chat=False)
+
+    from triptych.api.chat_batch import add_chat_batch_routes
+    from triptych.api.responses import add_responses_routes
+    from triptych.api.tokenize import add_tokenize_routes
+
+    surface = config.surface
+    add_tokenize_routes(app, stage, check_model, surface.tokenizer_info, validation_response)
+    add_chat_batch_routes(app, stage, run, check_model, config.max_pending,
+                          validation_response)
+    add_responses_routes(app, client, stage, config.served_model, check_model,
+                         surface.store_entries, surface.store_bytes, validation_response)
 
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:

@@ -228,7 +228,11 @@ class Responder:
                 opened.add(idx)
                 ch = fmt.chunk_choice(idx, c, offsets[idx], first)
                 out.append(fmt.sse([ch], usage(idx)))
-                offsets[idx] += len(ch.get("text", ""))
+                # text_offset follows the tokens, as the whole answer's does (the text
+                # itself may lag them: a possible stop string is held back)
+                lp = ch.get("logprobs") if not fmt.s.chat else None
+                offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) \
+                    if lp and lp["tokens"] else offsets[idx] + len(ch.get("text", ""))
             return out
 
         try:

@@ -46,7 +46,11 @@ def _from_response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad_request("response_format", "response_format json_schema needs "
                                                  "json_schema.schema (a JSON schema object)")
-        # NOTE: strict or not, the schema is enforced (the grammar allows nothing else).
+        # NOTE: strict or not, the schema is enforced (the grammar allows nothing else);
+        # strict (OpenAI's strict structured outputs) also means no property the schema
+        # does not name, as vLLM's xgrammar default has it.
+        if js.get("strict"):
+            return {"json": js["schema"], "disable_additional_properties": True}
         return {"json": js["schema"]}
     if kind == "structural_tag":
         return {"structural_tag": json.dumps({k: v for k, v in rf.items() if k != "type"})}
@@ -59,6 +63,11 @@ def structured_outputs(body: Any, max_depth: int | None = None
     """The request's output constraint, or None. Raises APIError (400) on a bad one (one
     nested deeper than ``max_depth`` included)."""
     given: list[tuple[str, dict[str, Any]]] = []
+    from triptych.api.tools.checks import tool_constraint
+
+    tool = tool_constraint(body)  # tool_choice required / named (api/tools/)
+    if tool is not None:
+        given.append(("tools", tool))
     rf = getattr(body, "response_format", None)
     if _set(rf):
         d = _from_response_format(rf)
@@ -75,6 +84,8 @@ def structured_outputs(body: Any, max_depth: int | None = None
             given.append((name, {kind: v}))
     if not given:
         return None
+    if len(given) > 1 and given[0][0] == "tools":
+        given = given[:1]  # (check_tools refuses a second constraint beside a named choice)
     if len(given) > 1:
         raise bad_request(given[1][0], "give one output constraint; this request has "
                                        f"{', '.join(n for n, _ in given)}")
@@ -125,6 +136,10 @@ def json_depth(text: str) -> int:
 
 
 def _param(body: Any) -> str:
+    from triptych.api.tools.checks import tool_constraint
+
+    if tool_constraint(body) is not None:
+        return "tools"
     for name in ("response_format", "structured_outputs", *_GUIDED):
         if _set(getattr(body, name, None)):
             return name

@@ -58,6 +58,7 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None
     logprob_rows: torch.Tensor | None = None  # [W] int64: rows asking for logprobs
     logprob_k: int = 0  # the largest k asked (host)
+    logprob_ids: torch.Tensor | None = None  # [W, M] int64: logprob_token_ids per asking row
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -112,6 +113,8 @@ class Sampler:
             top_v, top_i = full.topk(max(st.logprob_k, 1), dim=-1)
             chosen = full.gather(1, ids[st.logprob_rows][:, None])[:, 0]
             lp = (top_v, top_i, chosen)
+            if st.logprob_ids is not None:  # logprob_token_ids: those ids, whatever rank
+                lp = (*lp, full.gather(1, st.logprob_ids))
         return ids, lp
 
     def _draw(self, x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -236,6 +239,16 @@ def sampling_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarra
     if want:
         out.logprob_k = max(params[i].logprobs for i in want)
         add("logprob_rows", np.array(want, dtype=np.int64))
+        asked = [params[i].logprob_token_ids or [] for i in want]
+        if any(asked):
+            # [W, M]: each row's ids, padded with its first (the pads are not read back);
+            # ids beyond this model's logits are clamped (P0 refuses them already)
+            width = max(len(a) for a in asked)
+            table = np.zeros((len(want), width), dtype=np.int64)
+            for w, a in enumerate(asked):
+                if a:
+                    table[w] = np.clip(a + [a[0]] * (width - len(a)), 0, vocab - 1)
+            add("logprob_ids", table)
     return out
 
 
@@ -245,12 +258,15 @@ def to_output(token_ids: list[int], lp: tuple[np.ndarray | torch.Tensor, ...] | 
     """Token ids and host copies of the logprob tensors -> ``SamplerOutput``."""
     logprobs: list[dict[int, float] | None] = [None] * len(token_ids)
     if lp is not None:
-        top_v, top_i, chosen = (np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t)
-                                for t in lp)
+        top_v, top_i, chosen, *extra = (np.asarray(t.cpu() if isinstance(t, torch.Tensor)
+                                                   else t) for t in lp)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         for w, i in enumerate(want):
-            k = params[i].logprobs
+            asked = params[i].logprob_token_ids
+            k = 0 if asked else params[i].logprobs  # the ids stand in for the top k
             d = dict(zip(top_i[w, :k].tolist(), top_v[w, :k].tolist()))
+            if asked and extra:
+                d.update(zip(asked, extra[0][w, :len(asked)].tolist()))
             d[token_ids[i]] = float(chosen[w])
             logprobs[i] = d
     return SamplerOutput(token_ids, logprobs)

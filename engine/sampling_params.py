@@ -8,6 +8,7 @@ import msgspec
 from triptych.engine.structured_params import StructuredOutputsParams
 
 _INT64 = 2**63 - 1
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -24,6 +25,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # extra token ids that end the request
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one)
+    # vLLM's logprob_token_ids: these ids' logprobs at every output token (plus the sampled
+    # one), whatever their rank; offline, a numeric ``logprobs`` must then equal their count
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the prompt's
     # own); such a prompt is computed in full (its prefix-cache hits are not used)
     skip_special_tokens: bool = True  # drop special tokens from the output text
@@ -111,6 +115,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        self._check_logprob_token_ids()
         for tid, bias in (self.logit_bias or {}).items():
             if tid < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
@@ -130,6 +135,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not self.cache_salt):
             raise ValueError("cache_salt must be a non-empty string if provided")
+
+    def _check_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not ids or len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids must be a list of 1 to "
+                             f"{MAX_LOGPROB_TOKEN_IDS} token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64
+               for t in ids):
+            raise ValueError("logprob_token_ids must hold non-negative token ids")
+        if self.logprobs is None:
+            self.logprobs = 0  # the ids' logprobs ride on the logprobs path
+        elif self.logprobs not in (0, len(ids)):
+            raise ValueError(f"logprobs ({self.logprobs}) must equal the number of "
+                             f"logprob_token_ids ({len(ids)}) when both are given")
 
     @property
     def greedy(self) -> bool:

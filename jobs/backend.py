@@ -74,6 +74,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="with --server: sent as 'Authorization: Bearer <key>' (default: env "
                         "OPENAI_API_KEY, which keeps the key out of the process list; unset: "
                         "no key)")
+    from triptych.api.surface_flags import add_surface_args
+
+    add_surface_args(p)
     add_engine_args(p, model_required=False, model_help=(
         "checkpoint directory or Hugging Face hub id for the in-process engine (unset: the "
         "built-in demo checkpoint, as `triptych serve`); ignored with --server"))
@@ -97,7 +100,12 @@ async def _in_process(args: argparse.Namespace, max_pending: int) -> AsyncIterat
 
     model, name = served_model(args, resolve_model(args.model) if args.model else None)
     config = engine_config_from_args(args, model=model)
-    async with app_and_router(_serve_defaults(), config, model, name,
+    from triptych.api.surface_flags import FLAGS
+
+    limits = _serve_defaults()
+    for flag in FLAGS:  # the job's own tool / store flags
+        setattr(limits, flag, getattr(args, flag))
+    async with app_and_router(limits, config, model, name,
                               max_pending=max_pending) as (app, _):
         # raise_app_exceptions=False: the app answers its own failures with a 500 body, as
         # it would over a socket; the job records it for that line and goes on.

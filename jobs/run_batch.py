@@ -3,9 +3,12 @@
 Input lines: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}``. Output lines (vLLM's run-batch shape):
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error"}``.
-A line that cannot be sent (not JSON, unknown url, duplicated ``custom_id``, ...) gets an
-error line with ``response: null``; one the server refuses gets ``response.status_code``
-and the server's error object. Nothing on one line stops the others.
+The whole file is checked first (jobs/batch_check.py, vLLM's behaviour): a line that is not
+a batch request at all (not JSON, no ``custom_id``, ...) stops the run before anything is
+written, exit status 1; ``--per-line-errors`` instead gives such a line an error line. A
+line that cannot be sent (unknown url, duplicated ``custom_id``, streaming) gets an error
+line with ``response: null``; one the server refuses gets ``response.status_code`` and the
+server's error object. Nothing on one of those lines stops the others.
 
 The input is streamed and results are written in input order as they finish (a bounded
 window, jobs/driver.py, counted in lines and in bytes), each line flushed whole, so a rerun
@@ -68,6 +71,12 @@ def add_parser(subparsers: Any) -> None:
                           "custom_ids and append the rest (a half-written last line is "
                           "removed); without it the output file is overwritten")
     io_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    io_.add_argument("--per-line-errors", action="store_true",
+                     help="a line that is not a batch request (no custom_id, not JSON, ...) "
+                          "gets an error line and the others run; without it the whole file "
+                          "is checked first and such a line stops the run before anything "
+                          "is written, with a non-zero exit (vLLM's behaviour; "
+                          "jobs/batch_check.py)")
     add_backend_args(p)
 
 
@@ -261,6 +270,20 @@ def run(args: argparse.Namespace) -> int:
     if args.input_file != "-" and args.output_file != "-" and os.path.exists(args.output_file) \
             and os.path.samefile(args.input_file, args.output_file):
         fail("the output file is the input file")
+    from triptych.jobs.batch_check import check_file, spool_stdin
+
+    spooled = None
+    if not args.per_line_errors:  # vLLM's: the whole file is checked before any request
+        if args.input_file == "-":
+            args.input_file = spooled = spool_stdin()
+        problem = check_file(args.input_file, args.max_line_bytes, read_line)
+        if problem is not None:
+            if spooled:
+                os.unlink(spooled)
+            print(f"triptych: error: {problem}; nothing was run or written (the whole file "
+                  "is checked first; --per-line-errors writes an error line for it instead)",
+                  file=sys.stderr)
+            return 1
     ledger = Ledger(recover(args.output_file, lambda d: key_of(d.get("custom_id")))
                     if args.resume else None)
     if ledger.total:
@@ -280,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
         for f in (src, out):
             if f not in (sys.stdin.buffer, sys.stdout):
                 f.close()
+        if spooled:
+            os.unlink(spooled)
     logger.info("run-batch: %d ok, %d errors, %d already done", counts["ok"],
                 counts["errors"], counts["skipped"])
     return 0

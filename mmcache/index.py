@@ -80,6 +80,12 @@ class ProcessorCacheIndex:
                 self._entries.move_to_end(key)
             return meta
 
+    def peek(self, key: str) -> ItemMeta | None:
+        """A lookup that changes nothing: no counters, no recency (P0-only readers such as
+        /tokenize must not move P0's eviction order away from the workers' mirror)."""
+        with self._lock:
+            return self._entries.get(key)
+
     def put(self, key: str, meta: ItemMeta) -> bool:
         """Remember ``meta``; False when it is larger than the whole budget (not stored)."""
         size = meta.nbytes

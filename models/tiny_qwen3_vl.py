@@ -1,8 +1,9 @@
 """A tiny random HF-format Qwen3-VL (or -MoE) checkpoint (``make-tiny --arch qwen3_vl[_moe]``).
 
 HF's own Qwen3VLForConditionalGeneration with random weights under a seed, the same
-locally trained tokenizer and ChatML template as the Qwen2-VL tiny checkpoints (Qwen3-VL
-uses the same vision tokens), and HF's Qwen2-VL image processor configured as Qwen3-VL's
+locally trained tokenizer as the Qwen2-VL tiny checkpoints (Qwen3-VL uses the same vision
+tokens) with the real Qwen3-VL Instruct chat template (models/qwen3_vl_template.py: tools,
+tool results with images), and HF's Qwen2-VL image processor configured as Qwen3-VL's
 real one (patch 16, merge 2, mean/std 0.5). The head_dim deliberately differs from
 hidden / heads, and two of three vision blocks feed DeepStack, so both paths are tested.
 """
@@ -40,7 +41,9 @@ def make_tiny_qwen3_vl(out_dir: str, *, seed: int = 0, hidden_size: int = 64,
         raise ValueError("head_dim must be a multiple of 4, num_heads a multiple of "
                          "num_kv_heads, vision_depth >= 2")
     os.makedirs(out_dir, exist_ok=True)
-    tok = _train_tokenizer(vocab_size)
+    from triptych.models.qwen3_vl_template import QWEN3_VL_TEMPLATE
+
+    tok = _train_tokenizer(vocab_size, template=QWEN3_VL_TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     std = init_std if init_std is not None else (0.15 if hidden_size <= 256 else 0.02)
     hw = half * 5 // 16  # Qwen3-VL's [24, 20, 20] of 64, scaled

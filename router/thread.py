@@ -3,13 +3,17 @@
 The offline ``LLM`` uses it when the knobs ask for worker processes (pools, or colocated
 replicas): requests go to the same router and workers as ``triptych serve``'s. The worker
 processes are started from this thread, so they exit with it (parent-death signal).
+
+Dropping the last reference frees it as ``close()`` does (``del llm`` in a notebook, as
+vLLM's users free an engine): a ``weakref.finalize`` holds the loop, its thread and the
+router, never the RouterThread itself, and also runs at interpreter exit.
 """
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -44,7 +48,8 @@ class RouterThread:
             finally:
                 self._stop_loop()
             raise
-        atexit.register(self.close)
+        self._finalizer = weakref.finalize(self, _shut_down, self._loop, self._thread,
+                                           self.router)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -86,15 +91,37 @@ class RouterThread:
         return self.router.stats()
 
     def close(self) -> None:
-        """Stop every worker process and the loop (idempotent; also at interpreter exit)."""
-        if self._closed:
-            return
+        """Stop every worker process and the loop (idempotent; also when garbage-collected
+        and at interpreter exit)."""
         self._closed = True
-        try:
-            self._call(self.router.shutdown())
-        finally:
-            self._stop_loop()
+        self._finalizer()
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        _stop(self._loop, self._thread)
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    if thread is not threading.current_thread():
+        thread.join(10)
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, router: Router
+               ) -> None:
+    """The router's shutdown on its loop, then the loop's end (the finalizer: it must not
+    hold the RouterThread)."""
+    if thread is threading.current_thread():
+        # NOTE: collected on the loop's own thread (a gc pass there): it cannot wait for
+        # itself, so the shutdown is scheduled and the loop stops once it is done.
+        async def then_stop() -> None:
+            try:
+                await router.shutdown()
+            finally:
+                loop.stop()
+
+        loop.create_task(then_stop())
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(router.shutdown(), loop).result()
+    finally:
+        _stop(loop, thread)

@@ -80,7 +80,7 @@ def test_a_too_long_line_is_an_error_line_and_the_job_goes_on(keyed_server,
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines))  # (the last line without its newline)
     r = cli("run-batch", "-i", str(src), "-o", str(out), "--server", keyed_server.base,
-            "--api-key", KEYS["alice"], "--max-line-bytes", "2000")
+            "--api-key", KEYS["alice"], "--max-line-bytes", "2000", "--per-line-errors")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = results(out)
     assert [x["custom_id"] for x in rows] == ["a", None, "b", "at-limit", "c"]
@@ -117,7 +117,8 @@ def test_lines_over_the_limit_are_never_held_whole(keyed_server, tmp_path: Path)
                 f.write(x + "\n")
         r = subprocess.run([sys.executable, "-c", MAXRSS, sys.executable, "-m", "triptych",
                             "run-batch", "--no-progress", "-i", str(src), "-o", str(out),
-                            "--server", keyed_server.base, "--api-key", KEYS["alice"], *flags],
+                            "--server", keyed_server.base, "--api-key", KEYS["alice"],
+                            "--per-line-errors", *flags],
                            capture_output=True, text=True, timeout=TIMEOUT)
         assert r.returncode == 0, r.stderr[-3000:]
         return int(r.stdout), results(out)

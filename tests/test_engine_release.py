@@ -102,3 +102,46 @@ def test_text_only_profile_fills_the_budget(tiny_qwen2_vl):
     step = profile_step(cfg, ModelShape.from_hf(hf), hf, 512, None)
     assert [n for _, n in step.scheduled] == [15, 15, 14, 14, 14, 14, 14]
     assert all(not r.mm_items for r, _ in step.scheduled)
+
+
+def test_del_frees_the_in_process_engine(tiny_qwen2_vl):
+    """``del llm; gc.collect()``, as vLLM's users free an engine: the same as close()."""
+    llm = LLM(tiny_qwen2_vl, **KNOBS)
+    llm.generate([_image_prompt(llm)], GREEDY, use_tqdm=False)
+    refs = _held(llm)
+    assert all(r() is not None for r in refs)
+    del llm
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_del_frees_an_engine_with_pools(tiny_qwen2_vl):
+    """1e1p1d: ``del llm; gc.collect()`` ends its three worker processes, the router's
+    thread, its run directory and shared memory, as close() does (the router thread was
+    once held by an atexit hook, and 3 of 3 workers outlived the del)."""
+    import glob
+    import os
+    import sys
+    import tempfile
+    import threading
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_fixtures import _children, alive
+
+    def ours() -> set[str]:
+        return set(glob.glob(f"/dev/shm/triptych*{os.getpid()}*")) | set(glob.glob(
+            os.path.join(tempfile.gettempdir(), f"triptych-{os.getpid()}-*")))
+
+    before = ours()
+    llm = LLM(tiny_qwen2_vl, encode_workers=1, prefill_workers=1, decode_workers=1,
+              max_model_len=512, kv_cache_memory="32MiB")
+    out = llm.generate([_image_prompt(llm)], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    workers = [p for p in _children(os.getpid()) if alive(p)]
+    assert len(workers) >= 3 and any(t.name == "triptych-router"
+                                     for t in threading.enumerate())
+    del llm, out
+    gc.collect()
+    assert [p for p in workers if alive(p)] == []  # gone when gc.collect() returns
+    assert not any(t.name == "triptych-router" for t in threading.enumerate())
+    assert ours() - before == set()

@@ -1,7 +1,9 @@
 """Ray engines one after another in one process (issue 34, point 3): notebooks, evaluation
 scripts and test suites make ``LLM(..., distributed_executor_backend="ray")`` engines in
 sequence. Each must answer as the in-process engine does and leave nothing in Ray once
-``close()`` returns; a start that fails must say what failed and leave nothing either.
+``close()`` returns, or once ``del llm; gc.collect()`` has freed it (issue 44: the second
+engine is freed that way, and the failed start after it still finds every CPU free); a
+start that fails must say what failed and leave nothing either.
 
 One script per test, in a process of its own (it is a Ray driver; this test process
 stays none), as a user would run it: on a Ray the script started itself (the cluster
@@ -20,7 +22,7 @@ import pytest
 pytest.importorskip("ray")
 
 SCRIPT = r'''
-import json, os, sys, threading
+import gc, json, os, sys, threading
 sys.path.insert(0, TESTS)
 import ray
 from server_fixtures import image_chat, img
@@ -48,13 +50,18 @@ knobs = dict(kv_cache_memory="32MiB", max_model_len=512)
 out = {"reference": None, "engines": [], "failed": None}
 with LLM(MODEL, **knobs) as llm:  # the in-process engine: the answers to match
     out["reference"] = answers(llm)
-for _ in range(2):
+for how in ("close", "del"):  # close(), then as notebooks free an engine: del + gc
     llm = LLM(MODEL, distributed_executor_backend="ray", encode_workers=1,
               decode_workers=1, **knobs)
     got, live = answers(llm), ours()
-    llm.close()
+    if how == "close":
+        llm.close()
+    else:
+        del llm
+        gc.collect()
     out["engines"].append({"answers": got, "live": live, "after_close": ours(),
-                           "ray_up": ray.is_initialized()})
+                           "ray_up": ray.is_initialized(), "how": how,
+                           "threads": sorted(t.name for t in threading.enumerate())})
 try:  # the second worker's bundle is one Ray refuses: the first must go as well
     LLM(MODEL, distributed_executor_backend="ray", encode_workers=1, decode_workers=1,
         decode_resources='{"CPU": 0}', **knobs)
@@ -78,7 +85,9 @@ def test_two_ray_engines_in_one_process_then_a_failed_start(tiny_qwen2_vl, tmp_p
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line.removeprefix("RESULT "))
     a, b = out["engines"]
+    assert (a["how"], b["how"]) == ("close", "del")  # b was freed by `del llm; gc.collect()`
     assert a["answers"] == b["answers"] == out["reference"]
+    assert "triptych-router" not in b["threads"], b
     if own_ray:  # the cluster stays: close() returned with Ray showing nothing of ours
         assert a["ray_up"] and b["ray_up"]
         names_a, names_b = ({n for n, state in e["live"]["pgs"].items() if state == "CREATED"}

@@ -82,7 +82,7 @@ def in_process(tiny_qwen2_vl: str, tmp_path_factory) -> list[dict]:
     d = tmp_path_factory.mktemp("batch")
     out = d / "out.jsonl"
     r = run_cli("-i", str(write_lines(d / "in.jsonl", MIXED)), "-o", str(out),
-                "--model", tiny_qwen2_vl, "--max-concurrency", "3")
+                "--model", tiny_qwen2_vl, "--max-concurrency", "3", "--per-line-errors")
     assert r.returncode == 0, r.stderr[-3000:]
     return read_results(out)
 
@@ -123,10 +123,31 @@ def server(tiny_qwen2_vl: str, tmp_path_factory):
 
 def test_server_mode_answers_as_in_process_through_stdin_and_stdout(
         in_process: list[dict], server) -> None:
-    r = run_cli("-i", "-", "-o", "-", "--server", server.base, stdin="\n".join(MIXED) + "\n")
+    r = run_cli("-i", "-", "-o", "-", "--server", server.base, "--per-line-errors",
+                stdin="\n".join(MIXED) + "\n")
     assert r.returncode == 0, r.stderr[-3000:]
     remote = [json.loads(x) for x in r.stdout.splitlines()]
     assert [comparable(x) for x in remote] == [comparable(x) for x in in_process]
+
+
+@pytest.mark.parametrize("bad", ['{"method": "POST", "url": "/v1/completions", "body": {}}',
+                                 "not json", '{"custom_id": "x", "url": 5, "body": {}}'])
+def test_a_line_that_is_no_request_stops_the_run_before_anything_is_written(
+        bad: str, tmp_path: Path) -> None:
+    """vLLM's run-batch: the whole file is checked first; a bad line (here the third) is a
+    non-zero exit naming it, and the output file is not created. (No engine starts: the
+    check comes before it.)"""
+    lines = [json.dumps(completion_line("a", "x")), json.dumps(completion_line("b", "y")),
+             bad]
+    out = tmp_path / "out.jsonl"
+    r = run_cli("-i", str(write_lines(tmp_path / "in.jsonl", lines)), "-o", str(out),
+                "--model", "/nonexistent-model-never-loaded")
+    assert r.returncode == 1
+    assert "line 3" in r.stderr and "--per-line-errors" in r.stderr
+    assert not out.exists()
+    r = run_cli("-i", "-", "-o", str(out), "--model", "/nonexistent-model-never-loaded",
+                stdin="\n".join(lines) + "\n")  # standard input: checked all the same
+    assert r.returncode == 1 and "line 3" in r.stderr and not out.exists()
 
 
 def test_layout_flags_reach_the_engine_and_answer_alike(in_process: list[dict],
@@ -135,7 +156,7 @@ def test_layout_flags_reach_the_engine_and_answer_alike(in_process: list[dict],
     out = tmp_path / "out.jsonl"
     r = run_cli("-i", str(write_lines(tmp_path / "in.jsonl", MIXED)), "-o", str(out),
                 "--model", tiny_qwen2_vl, "--encode-workers", "1", "--prefill-workers", "1",
-                "--decode-workers", "1")
+                "--decode-workers", "1", "--per-line-errors")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "router listening (1e1p1d)" in r.stderr  # an E+P+D layout ran it
     assert [comparable(x) for x in read_results(out)] == [comparable(x) for x in in_process]
@@ -165,7 +186,8 @@ def test_interrupted_run_resumes_with_each_custom_id_once(tiny_qwen2_vl: str, tm
     lines.insert(5, "not json at all")
     src, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "triptych", "run-batch", "--no-progress", "-i", str(src),
-           "-o", str(out), "--model", tiny_qwen2_vl, "--max-concurrency", "1"]
+           "-o", str(out), "--model", tiny_qwen2_vl, "--max-concurrency", "1",
+           "--per-line-errors"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_lines(out, 3, proc)
@@ -185,7 +207,8 @@ def test_interrupted_run_resumes_with_each_custom_id_once(tiny_qwen2_vl: str, tm
     assert 3 <= len(first) < len(lines)
     with open(out, "a") as f:  # as if the kill had cut a line short
         f.write('{"id": "batch_req_cut", "custom_id": "req-')
-    r = run_cli("-i", str(src), "-o", str(out), "--model", tiny_qwen2_vl, "--resume")
+    r = run_cli("-i", str(src), "-o", str(out), "--model", tiny_qwen2_vl, "--resume",
+                "--per-line-errors")
     assert r.returncode == 0, r.stderr[-3000:]
     results = read_results(out)
     assert [x["custom_id"] for x in results] == ids[:5] + [None] + ids[5:]
