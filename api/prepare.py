@@ -38,7 +38,6 @@ from triptych.api.structured import check_structured
 from triptych.api.truncation import keep_count, truncate
 from triptych.router.prompt import ProcessedPrompt
 
-
 TEXT_THREADS = 16  # requests without media prepared at once (template, tokens)
 MEDIA_THREADS = 32  # requests with media (their threads mostly wait on preparation)
 
