@@ -33,7 +33,12 @@ from triptych.api.grammar_proc import read_frame, write_frame
 from triptych.api.media.limits import MediaError
 from triptych.api.prep_proc import Done, Job, Start
 from triptych.mmcache.shm_ring import ShmItemRef
-from triptych.mmcache.shm_segment import adopt_segment, segments_of, unlink_segment
+from triptych.mmcache.shm_segment import (
+    adopt_segment,
+    cleanup_stale_segments,
+    segments_of,
+    unlink_segment,
+)
 
 logger = logging.getLogger("triptych.api")
 START_TIMEOUT_S = 120.0  # a process's start (imports torch and transformers)
@@ -109,6 +114,7 @@ class PrepPool:
     def __init__(self, model_dir: str, workers: int, deadline_s: float = 10.0,
                  memory_bytes: int = 4 << 30, processor_kwargs: dict[str, Any] | None = None,
                  nice: int = 10) -> None:
+        cleanup_stale_segments()  # what a killed P0's preparations left
         start = Start(model_dir, dict(processor_kwargs or {}), nice)
         self.deadline_s, self.memory_bytes = deadline_s, memory_bytes
         self._procs = [_Proc(start) for _ in range(workers)]
@@ -116,7 +122,7 @@ class PrepPool:
         self._turn: deque[str | None] = deque()  # tenants with queued jobs, in turn
         self._cv = threading.Condition()
         self._closed = False
-        self.num_jobs = self.num_killed = 0
+        self.num_jobs = self.num_killed = self.num_running = 0
         self.cpu_s = 0.0  # CPU the processes spent on jobs
         self._threads = [threading.Thread(target=self._serve, args=(p,), daemon=True,
                                           name=f"triptych-prep-{i}")
@@ -167,10 +173,13 @@ class PrepPool:
             logger.error("%s", e)
         while (item := self._next()) is not None:
             job, fut = item
+            self.num_running += 1
             try:
                 fut.set_result(self._run_one(proc, job))
             except BaseException as e:  # noqa: BLE001 - the caller's to raise
                 fut.set_exception(e)
+            finally:
+                self.num_running -= 1
         proc.kill()
 
     def _run_one(self, proc: _Proc, job: Job) -> tuple[Done, Prepared | None]:
