@@ -179,7 +179,7 @@ class MediaItems:
 
     def _prepare_elsewhere(self, kind: str, key: str, payload: bytes
                            ) -> tuple[MMItem, ItemMeta, Any]:
-        from triptych.api.prep_proc import Job
+        from triptych.api.prep_wire import Job
 
         budget = self.media.budget
         caps = self.media.caps()

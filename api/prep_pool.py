@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from triptych.api.grammar_proc import read_frame, write_frame
 from triptych.api.media.limits import MediaError
-from triptych.api.prep_proc import Done, Job, Start
+from triptych.api.prep_wire import Done, Job, Start
 from triptych.mmcache.shm_ring import ShmItemRef
 from triptych.mmcache.shm_segment import (
     adopt_segment,
@@ -75,6 +75,7 @@ class _Proc:
     def __init__(self, start: Start) -> None:
         self.start_msg = start
         self.proc: subprocess.Popen | None = None
+        self.ready = False  # started and answered (imports done)
 
     def ensure(self) -> subprocess.Popen:
         if self.proc is not None and self.proc.poll() is None:
@@ -93,10 +94,11 @@ class _Proc:
             self.kill()
             raise MediaError("the media preparation process did not start; see the server "
                              "log") from None
+        self.ready = True
         return p
 
     def kill(self) -> None:
-        p, self.proc = self.proc, None
+        p, self.proc, self.ready = self.proc, None, False
         if p is None:
             return
         p.kill()
@@ -129,6 +131,13 @@ class PrepPool:
                          for i, p in enumerate(self._procs)]
         for t in self._threads:
             t.start()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every process has started (the server answers once they have: its first
+        image does not wait for a process to import torch)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(p.ready for p in self._procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     @property
     def pids(self) -> list[int]:

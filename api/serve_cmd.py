@@ -281,6 +281,8 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     router = Router(config, processor.tokenizer, processor=processor)
     try:
         await router.start()
+        if processor.prep is not None:  # (they started beside the workers)
+            await asyncio.to_thread(processor.prep.wait_ready)
         yield build_app(router, processor, app_config, on_shutdown=router.shutdown), router
     finally:  # (a no-op when the lifespan already stopped it)
         await router.shutdown()

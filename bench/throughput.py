@@ -37,7 +37,7 @@ OCR_FLAGS: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4
 # `bench <name>` -> the module holding its add_parser / run (throughput itself is here)
 SUBCOMMANDS = {"serve": "serve", "multiturn": "multiturn", "cpu-decode": "cpu_decode",
                "ocr": "ocr", "soak": "soak", "peer": "peer", "floor": "decode_floor",
-               "gpu": "gpu_check", "prep": "prep_serve"}
+               "gpu": "gpu_check", "prep": "prep_serve", "attacks": "attacks"}
 
 
 def add_parser(subparsers: Any) -> None:

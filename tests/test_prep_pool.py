@@ -22,6 +22,7 @@ from triptych.api.media.limits import MediaError, MediaLimits
 from triptych.api.prep_pool import PrepPool
 from triptych.api.prep_proc import Job
 from triptych.api.processor import InputProcessor
+from triptych.bench.attacks import slow_jpeg
 from triptych.mmcache.shm_ring import read_item
 from triptych.mmcache.shm_segment import list_segments, segments_of
 
@@ -61,8 +62,6 @@ def test_bad_media_fail_alone_with_the_decoders_words(pool):
 
 
 def test_a_job_past_its_deadline_is_killed_alone_and_leaves_nothing(pool):
-    from test_tenancy_round3 import slow_jpeg
-
     before, killed = pool.pids, pool.num_killed
     with pytest.raises(MediaError, match="--max-image-decode-seconds"):
         pool.run(Job("image", "s" * 64, slow_jpeg(), MediaLimits().caps()))
@@ -84,8 +83,6 @@ def test_a_job_over_the_memory_cap_is_killed(tiny_qwen2_vl):
 def test_tenants_take_turns(tiny_qwen2_vl):
     """The one process busy, alice queues 6 jobs, then bob 1: bob's is served first or
     second of the seven, not seventh."""
-    from test_tenancy_round3 import slow_jpeg
-
     fair = PrepPool(tiny_qwen2_vl, 1, deadline_s=60.0)
     order: list[str] = []
     lock = threading.Lock()

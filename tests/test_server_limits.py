@@ -104,8 +104,9 @@ CASES = {
     "json_schema without a schema": ({"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format",
         "json_schema.schema"),
-    "tools": ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
-              400, "tools", "not supported"),
+    "tools without --enable-auto-tool-choice": (
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400, "tool_choice", "--enable-auto-tool-choice"),
     "chat template in the request": ({"messages": HI, "chat_template": "{{ 7 * 7 }}"}, 400,
                                      "chat_template", "not allowed"),
     "reserved chat_template_kwargs": ({"messages": HI, "chat_template_kwargs": {

@@ -8,8 +8,6 @@ swapped PDF in test_ocr_inputs.py.)"""
 from __future__ import annotations
 
 import base64
-import io
-import json
 import os
 import socket
 import sys
@@ -19,11 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from PIL import Image
 
 sys.path.insert(0, os.path.dirname(__file__))
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import image_part, img, module_server, png, text_part, user, wait_for
+from server_fixtures import image_part, img, module_server, png, text_part, user
+from triptych.bench.attacks import slow_jpeg
 
 KEYS = {"alice": "key-alice-round3-0123", "bob": "key-bob-round3-01234"}
 OPERATOR = "key-operator-round3-0"
@@ -116,24 +114,6 @@ def test_a_whitelist_outside_the_vocabulary_is_refused_and_repeats_are_dropped(s
 
 
 # -- row 4: a progressive JPEG whose decoding runs for seconds ---------------------------------
-def slow_jpeg(repeats: int = 1500) -> bytes:
-    """A 2000 x 2000 progressive JPEG with its last refinement scan repeated: each repeat
-    is one more pass over every block (~7 ms here), for ~14 bytes of file."""
-    buf = io.BytesIO()
-    Image.new("L", (2000, 2000), 128).save(buf, format="JPEG", progressive=True, quality=90)
-    data, i, segs = buf.getvalue(), 2, []
-    while data[i + 1] != 0xD9:
-        marker, length = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
-        j = i + 2 + length
-        if marker == 0xDA:  # entropy-coded data runs to the next marker
-            while not (data[j] == 0xFF and data[j + 1] and not 0xD0 <= data[j + 1] <= 0xD7):
-                j += 1
-        segs.append((i, j))
-        i = j
-    last_scan = data[segs[-2][0]:segs[-1][1]]  # its Huffman table and its scan
-    return data[:i] + last_scan * repeats + b"\xff\xd9"
-
-
 def test_a_slow_image_is_stopped_at_its_deadline_and_text_goes_on(server):
     bomb = "data:image/jpeg;base64," + base64.b64encode(slow_jpeg()).decode()
     before = httpx.get(server.base + "/health", headers=headers("operator"), timeout=30
