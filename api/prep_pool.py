@@ -202,15 +202,17 @@ class PrepPool:
             write_frame(p.stdin, job)
         except OSError:
             pass  # (it died before the job: read_frame sees the end below)
-        while not select.select([p.stdout], [], [], _POLL_S)[0]:
-            if time.monotonic() > deadline:
-                self._stopped(proc, f"preparing the {what} took longer than {deadline_s:g} "
-                                    f"s (--max-image-decode-seconds); send a smaller or "
-                                    f"simpler {what}")
+        while True:  # watched until it answers (looked at before the first wait too)
             if _rss(p.pid) > self.memory_bytes:
                 self._stopped(proc, f"preparing the {what} took more than "
                                     f"{self.memory_bytes >> 20} MiB of memory "
                                     f"(--mm-processor-memory); send a smaller {what}")
+            if time.monotonic() > deadline:
+                self._stopped(proc, f"preparing the {what} took longer than {deadline_s:g} "
+                                    f"s (--max-image-decode-seconds); send a smaller or "
+                                    f"simpler {what}")
+            if select.select([p.stdout], [], [], _POLL_S)[0]:
+                break
         try:
             done = read_frame(p.stdout, Done)
         except (OSError, ValueError, msgspec.DecodeError):
