@@ -117,7 +117,7 @@ class Server:
 
 
 def _chat(content: Any) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": content}],
+    return {"messages": [{"role": "user", "content": content}],
             "max_tokens": 1, "temperature": 0}
 
 
