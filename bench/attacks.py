@@ -76,7 +76,7 @@ def _post(base: str, key: str, body: dict, timeout: float = 300) -> Any:
 
 
 def _bob(base: str, n: int) -> list[float]:
-    body = "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
             "min_tokens": 16, "temperature": 0}
     out = []
     for _ in range(n):
@@ -108,7 +108,7 @@ def attack_sockets(base: str, port: int, victims: int) -> tuple[list[float], str
 
 def attack_grammar(base: str, victims: int, a_id: int) -> tuple[list[float], str]:
     # the bias makes "a" (a_id) the greedy pick among what the grammar allows
-    body = "messages": [{"role": "user", "content": "count"}],
+    body = {"messages": [{"role": "user", "content": "count"}],
             "max_tokens": 400, "temperature": 0, "logit_bias": {str(a_id): 100},
             "structured_outputs": {"grammar": AMBIGUOUS}}
     t, box = _in_background(lambda: _post(base, ALICE, body))
@@ -120,7 +120,7 @@ def attack_grammar(base: str, victims: int, a_id: int) -> tuple[list[float], str
 
 
 def attack_whitelist(base: str, victims: int) -> tuple[list[float], str]:
-    body = "messages": [{"role": "user", "content": "x"}], "max_tokens": 16,
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 16,
             "vllm_xargs": {"ngram_size": 2, "whitelist_token_ids": list(range(3_000_000))}}
     stop, codes = threading.Event(), []
 
@@ -139,7 +139,7 @@ def attack_whitelist(base: str, victims: int) -> tuple[list[float], str]:
 
 def attack_jpegs(base: str, victims: int) -> tuple[list[float], str]:
     url = "data:image/jpeg;base64," + base64.b64encode(slow_jpeg()).decode()
-    body = "max_tokens": 4, "messages": [{"role": "user", "content": [
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}]}
     results: list[int] = []
     threads = [threading.Thread(target=lambda: results.append(
@@ -154,7 +154,7 @@ def attack_jpegs(base: str, victims: int) -> tuple[list[float], str]:
 
 
 def attack_answer(base: str, victims: int) -> tuple[list[float], str]:
-    body = "messages": [{"role": "user", "content": "story"}], "n": 16,
+    body = {"messages": [{"role": "user", "content": "story"}], "n": 16,
             "max_tokens": 1500, "min_tokens": 1500, "temperature": 1.0, "logprobs": True,
             "top_logprobs": 20}
     t, box = _in_background(lambda: _post(base, ALICE, body, timeout=1800))
@@ -166,7 +166,7 @@ def attack_answer(base: str, victims: int) -> tuple[list[float], str]:
 
 
 def attack_messages(base: str, victims: int) -> tuple[list[float], str]:
-    body = "max_tokens": 4, "messages": [{"role": "user", "content": ""}]
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": ""}]
             * 250_000}
     t, box = _in_background(lambda: _post(base, ALICE, body))
     lat = _bob(base, victims)
@@ -176,7 +176,7 @@ def attack_messages(base: str, victims: int) -> tuple[list[float], str]:
 
 
 def attack_queue(base: str, victims: int, limit: int) -> tuple[list[float], str]:
-    body = "messages": [{"role": "user", "content": "go"}], "n": 16,
+    body = {"messages": [{"role": "user", "content": "go"}], "n": 16,
             "max_tokens": 400, "min_tokens": 400, "temperature": 1.0, "stream": False}
     codes: list[int] = []
     threads = [threading.Thread(target=lambda: codes.append(
