@@ -10,10 +10,10 @@ setting run side by side; rounds alternate between them and figures are medians:
     fast-in-P0   --mm-processor-workers 0                        (the fast path in P0)
     workers-N    --mm-processor-workers N                        (preparation processes)
 
-For each: image chats per second, CPU milliseconds per image in P0, in the preparation
-processes and in the engine worker (from /proc), and the latency of a text-only request sent
-one after another while the images stream in, against the same request on the idle server
-(median and p99). First, the preprocessing steps alone per image size (bench/prep.py).
+For each: image chats per second and CPU milliseconds per image in P0, in the preparation
+processes and in the engine worker (from /proc), with the images alone; then, with the same
+images again, the latency of a text-only request sent one after another while they stream
+in, against the same request on the idle server (median and p99). First, the preprocessing steps alone per image size (bench/prep.py).
 """
 from __future__ import annotations
 
@@ -151,11 +151,14 @@ async def _round(server: Server, url: str, images: int, concurrency: int) -> dic
                 (await client.post(server.base + "/v1/chat/completions", json=body)
                  ).raise_for_status()
 
-        stop, loaded = asyncio.Event(), []
-        probe = asyncio.ensure_future(_text_latencies(client, server.base, stop, loaded))
+        # phase 1, images alone: throughput and CPU per image
         cpu0, t0 = server.cpu(), time.perf_counter()
         await asyncio.gather(*(one() for _ in range(images)))
         wall, cpu1 = time.perf_counter() - t0, server.cpu()
+        # phase 2, the same images with a text request sent one after another beside them
+        stop, loaded = asyncio.Event(), []
+        probe = asyncio.ensure_future(_text_latencies(client, server.base, stop, loaded))
+        await asyncio.gather(*(one() for _ in range(images)))
         stop.set()
         await probe
     ms = {k: 1000 * (cpu1[k] - cpu0[k]) / images for k in cpu0}
