@@ -166,11 +166,13 @@ void gemv_s8(const int8_t* xq, const float* xs, int64_t Kp, const int8_t* w,
       for (int64_t r = 0; r < nr; ++r) {  // one row at a time: one stream through W
         const int8_t* wn = w + (n + r) * K;
         __m512i acc = _mm512_setzero_si512();
-        for (int64_t k = 0; k < K; k += 64) {
-          const __mmask64 mask = K - k >= 64 ? ~0ULL : (1ULL << (K - k)) - 1;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64)
           acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(q + k), offset),
-                                    _mm512_maskz_loadu_epi8(mask, wn + k));
-        }
+                                    _mm512_loadu_si512(wn + k));
+        if (k < K)
+          acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(q + k), offset),
+                                    _mm512_maskz_loadu_epi8((1ULL << (K - k)) - 1, wn + k));
         part[r] = fold(acc);
       }
       alignas(16) int32_t dots[4];

@@ -6,8 +6,7 @@
 //                          x value broadcast per row and k, three weight vectors per k)
 //                          over the whole K: no horizontal sums, one weight read per call
 //   avx2                   6 rows x 16 columns (12 ymm accumulators, Haswell's classic
-//                          sgemm tile); at 1-3 rows k alternates between two sets of
-//                          accumulators, so the FMA latency never leaves the loads idle
+//                          sgemm tile)
 //   generic                one panel at a time in plain loops the compiler vectorises
 //
 // bf16 panels: avx512_bf16 rounds x to bf16 (nearest even, op.cpp) and multiplies pairs
@@ -45,6 +44,28 @@ inline void rows(int64_t M, F&& tile) {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Rows in ceil(M / MR) tiles of nearly equal size (MR or one less, ...): 8 rows as 4 + 4,
+// not 6 + 2, whose 2-row tile has too few accumulators to hide the FMA's latency.
+template <int MR, typename F>
+inline void rows_even(int64_t M, F&& tile) {
+  const int64_t tiles = (M + MR - 1) / MR;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t n = (M - m) / (tiles - t);  // the rest shared by the tiles left
+    switch (n) {
+      case 8: if constexpr (MR >= 8) tile(Rows<8>{}, m); break;
+      case 7: if constexpr (MR >= 7) tile(Rows<7>{}, m); break;
+      case 6: if constexpr (MR >= 6) tile(Rows<6>{}, m); break;
+      case 5: tile(Rows<5>{}, m); break;
+      case 4: tile(Rows<4>{}, m); break;
+      case 3: tile(Rows<3>{}, m); break;
+      case 2: tile(Rows<2>{}, m); break;
+      case 1: tile(Rows<1>{}, m); break;
+      default: break;
+    }
+    m += n;
+  }
+}
+
 // Fold a tile's values r[0, cols) (columns n0 ..) into a row's best (v, at): the first
 // NaN wins, else the first of the largest values.
 inline void scan(const float* r, int64_t cols, int64_t n0, float& v, int64_t& at) {
@@ -65,68 +86,52 @@ inline void scan(const float* r, int64_t cols, int64_t n0, float& v, int64_t& at
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int MR2 = 6;
 
-// Writes a tile row's 16 columns (or the first `left`) with the bias added.
-inline void store16(float* y, __m256 a0, __m256 a1, const float* bias, int64_t left) {
-  if (bias) {
-    if (left >= NR) {
-      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
-      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
-    } else {
-      alignas(32) float b[NR] = {};
-      for (int64_t c = 0; c < left; ++c) b[c] = bias[c];
-      a0 = _mm256_add_ps(a0, _mm256_load_ps(b));
-      a1 = _mm256_add_ps(a1, _mm256_load_ps(b + 8));
-    }
-  }
+// Writes a tile's rows (16 columns each, or the first `left`) with the bias added.
+// NOTE: every loop over the rows is unrolled: where one was not, GCC kept the accumulators
+// in memory and stored all 12 on every k step of the tile's loop (half the speed).
+template <int mr>
+inline void store_tile(float* y, int64_t ld, __m256 (&acc)[mr][2], const float* bias,
+                       int64_t left) {
+  alignas(32) float b[NR] = {};
+  if (bias)
+    for (int64_t c = 0; c < (left < NR ? left : NR); ++c) b[c] = bias[c];
+  const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
   if (left >= NR) {
-    _mm256_storeu_ps(y, a0);
-    _mm256_storeu_ps(y + 8, a1);
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; ++i) {
+      _mm256_storeu_ps(y + i * ld, _mm256_add_ps(acc[i][0], b0));
+      _mm256_storeu_ps(y + i * ld + 8, _mm256_add_ps(acc[i][1], b1));
+    }
     return;
   }
-  alignas(32) float t[NR];
-  _mm256_store_ps(t, a0);
-  _mm256_store_ps(t + 8, a1);
-  for (int64_t c = 0; c < left; ++c) y[c] = t[c];
+  alignas(32) float t[mr][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < mr; ++i) {  // NOTE: unrolled, so acc[i] is a register, never memory
+    _mm256_store_ps(t[i], _mm256_add_ps(acc[i][0], b0));
+    _mm256_store_ps(t[i] + 8, _mm256_add_ps(acc[i][1], b1));
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int64_t c = 0; c < left; ++c) y[i * ld + c] = t[i][c];
 }
+
 
 // Rows [0, mr) of x (stride K) against one fp32 panel wp [K, 16]; y: the tile's first
 // column, rows ld apart; `left` valid columns from there.
 template <int mr>
 inline void tile_f32_avx2(const float* x, int64_t K, const float* wp, float* y, int64_t ld,
                           int64_t left, const float* bias) {
-  constexpr int S = mr <= 3 ? 2 : 1;  // accumulator sets: k alternates between them
-  __m256 acc[S][mr][2];
-  for (int s = 0; s < S; ++s)
-    for (int i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + S <= K; k += S) {
-    for (int s = 0; s < S; ++s) {
-      const __m256 w0 = _mm256_loadu_ps(wp + (k + s) * NR);
-      const __m256 w1 = _mm256_loadu_ps(wp + (k + s) * NR + 8);
-      for (int i = 0; i < mr; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i * K + k + s);
-        acc[s][i][0] = _mm256_fmadd_ps(xv, w0, acc[s][i][0]);
-        acc[s][i][1] = _mm256_fmadd_ps(xv, w1, acc[s][i][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
+  __m256 acc[mr][2];
+  for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(wp + k * NR);
     const __m256 w1 = _mm256_loadu_ps(wp + k * NR + 8);
     for (int i = 0; i < mr; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
-      acc[0][i][0] = _mm256_fmadd_ps(xv, w0, acc[0][i][0]);
-      acc[0][i][1] = _mm256_fmadd_ps(xv, w1, acc[0][i][1]);
+      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
     }
   }
-  for (int i = 0; i < mr; ++i) {
-    __m256 a0 = acc[0][i][0], a1 = acc[0][i][1];
-    if constexpr (S == 2) {
-      a0 = _mm256_add_ps(a0, acc[1][i][0]);
-      a1 = _mm256_add_ps(a1, acc[1][i][1]);
-    }
-    store16(y + i * ld, a0, a1, bias, left);
-  }
+  store_tile<mr>(y, ld, acc, bias, left);
 }
 
 // The same against one bf16 panel wp [K2, 16, 2], x in fp32: each 32-bit lane of the
@@ -164,13 +169,13 @@ inline void tile_bf16_avx2(const float* x, int64_t K, const uint16_t* wp, float*
       acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
     }
   }
-  for (int i = 0; i < mr; ++i) store16(y + i * ld, acc[i][0], acc[i][1], bias, left);
+  store_tile<mr>(y, ld, acc, bias, left);
 }
 
 // one panel for every row; y: the panel's first column, rows ld apart
 inline void one_panel_f32(const float* x, int64_t M, int64_t K, const float* wp, int64_t left,
                           const float* bias, float* y, int64_t ld) {
-  rows<MR2>(M, [&](auto mr, int64_t m) {
+  rows_even<MR2>(M, [&](auto mr, int64_t m) {
     tile_f32_avx2<decltype(mr)::value>(x + m * K, K, wp, y + m * ld, ld, left, bias);
   });
 }
@@ -189,7 +194,7 @@ void bf16_avx2(const float* xf, const uint32_t*, int64_t M, int64_t K, const uin
     const int64_t n0 = p * NR;
     const uint16_t* wp = panels + p * K2 * NR * 2;
     const float* b = bias ? bias + n0 : nullptr;
-    rows<MR2>(M, [&](auto mr, int64_t m) {
+    rows_even<MR2>(M, [&](auto mr, int64_t m) {
       tile_bf16_avx2<decltype(mr)::value>(xf + m * K, K, wp, y + m * N + n0, N, N - n0, b);
     });
   }
