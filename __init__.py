@@ -13,9 +13,9 @@ from triptych.engine import cpu_features
 # instruction-set caps once, at their first use (TRIPTYCH_CPU_ISA, engine/cpu_features.py)
 cpu_features.apply_switch()
 
-from triptych.engine.beam_search import BeamSearchParams  # noqa: E402
-from triptych.engine.sampling_params import SamplingParams  # noqa: E402
-from triptych.engine.structured_params import StructuredOutputsParams  # noqa: E402
+from triptych.engine.beam_search import BeamSearchParams
+from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from triptych.config import EngineConfig

@@ -10,7 +10,7 @@ use in a process, so ``apply_switch`` (called when ``triptych`` is imported, bef
 torch op runs) exports the matching ones for this process and its children, unless the
 user set them:
 
-    TRIPTYCH_CPU_ISA   ONEDNN_MAX_CPU_ISA   ATEN_CPU_CAPABILITY   FBGEMM_ENABLE_INSTRUCTIONS
+    TRIPTYCH_CPU_ISA   ONEDNN_MAX_CPU_ISA   ATEN_CPU_CAPABILITY   FBGEMM_ / MKL_ENABLE_INSTRUCTIONS
     avx512             AVX512_CORE          avx512                AVX512
     avx2               AVX2                 avx2                  AVX2
 
@@ -38,9 +38,9 @@ _HIDES = {"native": (), "avx512": ("avx512_bf16", "avx512_vnni", "avx512_fp16", 
                    "avx_vnni_int8")}
 LIBRARY_CAPS = {
     "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512",
-               "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512"},
+               "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-             "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
+             "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 
 
@@ -84,25 +84,28 @@ def apply_switch(env: MutableMapping[str, str] | None = None) -> None:
 
 
 def _read_cpuinfo() -> tuple[str, set[str]]:
-    model, flags = _platform.processor() or _platform.machine(), set()
+    model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key == "model name" and model in ("", _platform.machine()):
+                if key == "model name" and not model:
                     model = value.strip()
                 elif key in ("flags", "Features") and not flags:  # x86, arm64
                     flags = set(value.split())
     except OSError:  # not Linux: no flags, the portable kernels
         pass
-    return model, flags
+    return model or _platform.processor() or _platform.machine(), flags
+
+
+def features(model: str, flags: set[str] | frozenset[str], lvl: str) -> CpuFeatures:
+    """A CPU reporting ``flags``, as the engine sees it at level ``lvl``."""
+    hidden = {f for f in flags if f.startswith(_HIDES[lvl])}
+    return CpuFeatures(model, frozenset(set(flags) - hidden), lvl, frozenset(hidden))
 
 
 @functools.cache
 def detect() -> CpuFeatures:
     """This CPU, once per process, under ``TRIPTYCH_CPU_ISA``."""
-    lvl = level()
-    model, flags = _read_cpuinfo()
-    hidden = {f for f in flags if f.startswith(_HIDES[lvl])}
-    return CpuFeatures(model, frozenset(flags - hidden), lvl, frozenset(hidden))
+    return features(*_read_cpuinfo(), level())

@@ -17,7 +17,7 @@ from triptych.kernels.cpu import build as cpu_build
 from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_variants import ids, runnable  # noqa: E402
+from cpu_variants import ids, runnable
 
 # Only a missing compiler skips: with one, a failed build fails these tests.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,
@@ -75,7 +75,8 @@ def test_matches_the_torch_reference_fp32(bs, layout):
     for v in _variants():
         out = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, seq_lens, scale,
                                                          variant=v)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ids([v])}: {m}")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, v=v: f"{ids([v])}: {m}")
 
 
 def test_threads_split_and_plan_give_the_same_result():

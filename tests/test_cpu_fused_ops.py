@@ -16,7 +16,7 @@ from triptych.kernels import get_ops, torch_ref
 from triptych.kernels.cpu import fused_ops as cpu_fused_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_variants import ids, runnable  # noqa: E402
+from cpu_variants import ids, runnable
 
 pytestmark = pytest.mark.skipif(not cpu_fused_ops.enabled(), reason="no C++ compiler here")
 VARIANTS = runnable(cpu_fused_ops._built()) if cpu_fused_ops.enabled() else []

@@ -18,7 +18,7 @@ from triptych.kernels.cpu import linear as cpu_linear
 from triptych.kernels.cpu.linear import FORMATS, GEMV_MAX_ROWS, CpuGemm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_variants import KERNELS, ids, runnable  # noqa: E402
+from cpu_variants import KERNELS, ids, runnable
 
 pytestmark = pytest.mark.skipif(not (cpu_linear.available() and cpu_gemv.enabled()),
                                 reason="no packed CPU linear or no C++ compiler here")

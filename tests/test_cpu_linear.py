@@ -22,7 +22,7 @@ from triptych.kernels.cpu.linear import (
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_variants import KERNELS  # noqa: E402,F401 (the platform chose this CPU's kernels)
+from cpu_variants import KERNELS  # noqa: F401 (the platform chose this CPU's kernels)
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(),
                                 reason="this torch build has no oneDNN packed linear")

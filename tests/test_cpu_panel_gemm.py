@@ -19,7 +19,7 @@ from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
 from triptych.kernels.cpu.linear import CpuGemm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_variants import KERNELS, ids, runnable  # noqa: E402
+from cpu_variants import KERNELS, ids, runnable
 
 pytestmark = pytest.mark.skipif(not cpu_panel_gemm.loaded(), reason="no C++ compiler here")
 # bf16: x and w rounded to bf16 (avx512_bf16's pair dot products); w only in the others

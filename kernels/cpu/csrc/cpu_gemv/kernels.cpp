@@ -36,13 +36,17 @@ struct Bf16 {  // tags for the 16-bit formats (both arrive as raw uint16_t bits)
   static __m512 ld(const uint16_t* p) {
     return bf16_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static __m512 ld(const uint16_t* p, __mmask16 m) { return bf16_lanes(_mm256_maskz_loadu_epi16(m, p)); }
+  static __m512 ld(const uint16_t* p, __mmask16 m) {
+    return bf16_lanes(_mm256_maskz_loadu_epi16(m, p));
+  }
 };
 struct F16 {
   static __m512 ld(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static __m512 ld(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+  static __m512 ld(const uint16_t* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
 };
 struct F32 {
   static __m512 ld(const float* p) { return _mm512_loadu_ps(p); }

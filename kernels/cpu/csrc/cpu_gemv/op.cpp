@@ -61,14 +61,18 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   switch (w.scalar_type()) {
     case at::kFloat: {
       const float* wp = w.data_ptr<float>();
-      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { kern.f32(xp, wp, sp, bp, yp, M, N, K, b, e); });
+      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        kern.f32(xp, wp, sp, bp, yp, M, N, K, b, e);
+      });
       break;
     }
     case at::kBFloat16:
     case at::kHalf: {
       const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
       const auto fn = w.scalar_type() == at::kHalf ? kern.f16 : kern.bf16;
-      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { fn(xp, wp, sp, bp, yp, M, N, K, b, e); });
+      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        fn(xp, wp, sp, bp, yp, M, N, K, b, e);
+      });
       break;
     }
     case at::kChar: {

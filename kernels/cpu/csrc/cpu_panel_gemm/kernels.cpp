@@ -152,7 +152,8 @@ inline void tile_bf16_avx2(const float* x, int64_t K, const uint16_t* wp, float*
       acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
     }
     w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(wv), 16), 16));
-    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(wv + 1), 16), 16));
+    w1 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(wv + 1), 16), 16));
     for (int i = 0; i < mr; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * K + 2 * k2 + 1);
       acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
@@ -278,7 +279,8 @@ void f32_argmax_avx512(const float* x, int64_t M, int64_t K, const float* panels
       __m512 mx = _mm512_set1_ps(-__builtin_inff());
       bool nan = false;
       for (int64_t c = 0; c < cols; c += NR) {
-        const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), first(cols - c), r + c);
+        const __m512 a =
+            _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), first(cols - c), r + c);
         nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
         mx = _mm512_max_ps(mx, a);
       }
@@ -397,7 +399,9 @@ void bf16_generic(const float* xf, const uint32_t*, int64_t M, int64_t K,
   for (int64_t p = g0; p < g1 && p < P; ++p) {
     const uint16_t* wp = panels + p * K2 * NR * 2;
     panel_generic(xf, M, K, N - p * NR, bias ? bias + p * NR : nullptr, y + p * NR, N,
-                  [&](int64_t k, int64_t c) { return bf16_to_f(wp[((k / 2) * NR + c) * 2 + (k % 2)]); });
+                  [&](int64_t k, int64_t c) {
+                    return bf16_to_f(wp[((k / 2) * NR + c) * 2 + (k % 2)]);
+                  });
   }
 }
 #endif

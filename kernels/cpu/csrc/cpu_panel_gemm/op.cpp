@@ -80,7 +80,8 @@ const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t N, cons
 
 // panel groups per thread: one chunk of groups per thread
 int64_t group_grain(int64_t groups, int64_t threads) {
-  return std::max<int64_t>(1, (groups + std::max<int64_t>(threads, 1) - 1) / std::max<int64_t>(threads, 1));
+  threads = std::max<int64_t>(threads, 1);
+  return std::max<int64_t>(1, (groups + threads - 1) / threads);
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, int64_t N,
@@ -112,7 +113,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& panels, int64_t N,
     xb.assign(M * K2, 0);   // pair has a zero high half
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k)
-        xb[m * K2 + k / 2] |= static_cast<uint32_t>(c10::BFloat16(xp[m * K + k]).x) << (16 * (k % 2));
+        xb[m * K2 + k / 2] |= static_cast<uint32_t>(c10::BFloat16(xp[m * K + k]).x)
+                              << (16 * (k % 2));
   }
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<c10::BFloat16>());
   const int64_t groups = (P + kern.bf16_group - 1) / kern.bf16_group;
@@ -166,8 +168,9 @@ at::Tensor gemm_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t N,
 
 at::Tensor argmax(const at::Tensor& logits, int64_t threads, int64_t variant) {
   const PanelKernels& kern = triptych::pick(kTables, variant, "argmax");
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous()
-                  && logits.size(1) > 0, "argmax: logits must be a contiguous [M, V>0] float32 tensor");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous() && logits.size(1) > 0,
+              "argmax: logits must be a contiguous [M, V>0] float32 tensor");
   const int64_t M = logits.size(0), V = logits.size(1);
   at::Tensor out = at::empty({M}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
