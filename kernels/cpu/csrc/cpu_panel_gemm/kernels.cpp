@@ -415,8 +415,17 @@ void f32_argmax_tiles(const float* x, int64_t M, int64_t K, const float* panels,
     const int64_t n0 = p * NR, cols = min64(NR, N - n0);
     one_panel_f32(x, M, K, panels + p * K * NR, N - n0, bias ? bias + n0 : nullptr, buf, NR);
     for (int64_t i = 0; i < M; ++i) {
+      const float* r = buf + i * NR;
       if (best_i[i] >= 0 && best_v[i] != best_v[i]) continue;  // a NaN already won this row
-      scan(buf + i * NR, cols, n0, best_v[i], best_i[i]);
+#if defined(__AVX2__)
+      if (best_i[i] >= 0 && cols == NR) {  // the scan only where this tile holds a NaN or
+        const __m256 a = _mm256_loadu_ps(r), b = _mm256_loadu_ps(r + 8);  // beats the best
+        const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
+                                        _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+        if (_mm256_movemask_ps(nan) == 0 && !(hmax8(_mm256_max_ps(a, b)) > best_v[i])) continue;
+      }
+#endif
+      scan(r, cols, n0, best_v[i], best_i[i]);
     }
   }
 }
