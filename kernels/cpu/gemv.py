@@ -6,7 +6,7 @@ row, required for int8), fp32 accumulation and out; int8 quantizes each x row to
 (one scale per row) and multiplies in exact int32 sums (VNNI where the CPU has it, AVX2's
 vpmaddubsw otherwise: the same bits either way). One build holds a copy per instruction
 set (``isa.py``); each call runs the variant the platform chose. ``kernels/cpu_linear.CpuGemm``
-sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16 / int8: 2,
+sends its calls of at most ``GEMV_MAX_ROWS[fmt]`` rows here (fp32 / bf16: 2, int8: 1,
 fp16: none, fbgemm's is as fast) and keeps the libraries' packed GEMMs for more rows
 (measured per format: docs/performance.md, "Where the batch-1 step's time goes").
 

@@ -81,7 +81,9 @@ MIN_BYTES_SPINNING = 1 << 20
 # fp32 on the AVX-512 panels takes them at every row count instead: on a quiet host a
 # batch-1 fp32 decode was 1.14-1.19x llama.cpp with the panels and 0.90-0.97x with the GEMV
 # (same runs; docs/performance.md, "Issue 22, third round").
-GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
+# int8 at 2 rows: fbgemm 3.5-3.8 vs the GEMV 3.9-4.4 CPU ms a step, native and AVX2 alike,
+# once the VNNI GEMV lost its masked loads (docs/performance.md, "AVX2-only CPUs").
+GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 1}
 # (format, kernel copy) whose panels take the GEMV's rows too
 PANELS_AT_ONE_ROW = {("float32", "avx512"), ("float32", "avx512_bf16")}
 
