@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from triptych.engine import cpu_features
+
+# NOTE: before any torch op runs in this process: oneDNN, ATen and fbgemm read their
+# instruction-set caps once, at their first use (TRIPTYCH_CPU_ISA, engine/cpu_features.py)
+cpu_features.apply_switch()
+
 from triptych.engine.beam_search import BeamSearchParams
 from triptych.engine.sampling_params import SamplingParams
 from triptych.engine.structured_params import StructuredOutputsParams

@@ -7,14 +7,14 @@ from typing import Any
 
 
 def machine() -> dict[str, Any]:
-    """The box a benchmark ran on, recorded beside its figures."""
+    """The box a benchmark ran on, recorded beside its figures: the CPU and the flags the
+    engine chose by (engine/cpu_features.py; under TRIPTYCH_CPU_ISA, what it hid)."""
     import torch
-    cpu = "?"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+    from triptych.engine import cpu_features
+
+    cpu = cpu_features.detect()
+    return {"cpu": cpu.model, "cpu_flags": cpu.summary(), "cores": os.cpu_count(),
+            "torch": torch.__version__,
             "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "omp_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                                                    "GOMP_SPINCOUNT") if k in os.environ}}

@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> None:
 
     early_env(args.threads)
     threads = apply_thread_policy(args.threads)
+    from triptych.engine.platform import cpu_kernels
     from triptych.kernels import torch_ref
     from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
+    print(f"kernels: {cpu_kernels()}")  # the platform's choice for this CPU (TRIPTYCH_CPU_ISA)
     if not cpu_paged_attention.available():
         raise SystemExit("the fused CPU kernel did not build here (see the warning above)")
     dtype = getattr(torch, args.dtype)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -104,14 +103,10 @@ def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int,
 
 
 def machine() -> str:
-    model = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
+    from triptych.engine import cpu_features
+
+    return (f"{cpu_features.detect().model}, {os.cpu_count()} cores, {torch.get_num_threads()} "
+            f"threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> int:

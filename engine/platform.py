@@ -10,15 +10,39 @@ Everything CPU-specific (kernels/cpu/ and its C++ builds, worker/threads.py and
 worker/allocator.py) is reached only through the CPU's choices here: a CUDA engine never
 imports, builds or runs it. The step's host/device traffic is engine/device_io.py (on the
 CPU it copies nothing).
+
+On the CPU, what the processor offers (engine/cpu_features.py, the only reader of CPU
+flags; ``TRIPTYCH_CPU_ISA=avx2`` makes an AVX-512 box choose as an AVX2-only one) decides,
+once per process and logged, which instruction-set copy of the C++ kernels runs and each
+weight format's batched path (``cpu_kernels``):
+
+    weights    AVX512-BF16 / AMX CPU      AVX-512 (no BF16)     AVX2 + FMA           older
+    float32    panel GEMM (avx512)        panel GEMM (avx512)   panel GEMM (avx2)    oneDNN
+    bfloat16   GEMV + oneDNN bf16         GEMV + oneDNN bf16    GEMV + panel GEMM,   the same,
+                                                                bf16 widened in      portable
+                                                                registers            C++
+    float16    fbgemm (fp16 widened in its inner loop), every CPU
+    int8       GEMV (VNNI) + fbgemm       GEMV + fbgemm (7-bit activations without VNNI)
+
+A format no kernel here runs well (bf16 with neither oneDNN's bf16 GEMM nor our C++
+kernels) is refused at start in one line naming the flag and the formats that run.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from triptych.config import EngineConfig
+from triptych.engine import cpu_features
 from triptych.engine.sampler import Argmax, torch_argmax
+
+if TYPE_CHECKING:
+    from triptych.kernels.cpu.isa import CpuKernels
+
+logger = logging.getLogger("triptych.platform")
 
 
 @dataclass(frozen=True)
@@ -100,10 +124,62 @@ def resolve_cpu_weights(config: EngineConfig, device: torch.device) -> str | Non
         return None
     if config.cpu_gemm != "onednn":
         return None
-    if config.quantization:
-        return config.quantization
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+    fmt = config.quantization or {
+        torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
         resolve_dtype(config.dtype, device, None)]
+    _check_cpu_format(fmt, cpu_kernels())
+    return fmt
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels:
+    """This CPU's kernels, decided once per process from its flags and logged: the C++
+    kernels' instruction-set copy and each weight format's batched path (the table in
+    this module's docstring). The CPU kernels run what this chose (kernels/cpu/isa.py)."""
+    from triptych.kernels.cpu import isa
+
+    cpu = cpu_features.detect()
+    variant = isa.best_variant(cpu.flags)
+    batched = {"float32": "onednn" if variant == "generic" else "panels",
+               "bfloat16": "onednn" if _onednn_bf16(cpu) else "panels",
+               "float16": "fbgemm", "int8": "fbgemm"}
+    # fbgemm's VNNI kernels are AVX-512 ones: AVX-VNNI alone still saturates (checked with
+    # FBGEMM_ENABLE_INSTRUCTIONS=AVX512 on a VNNI CPU)
+    kernels = isa.CpuKernels(variant, batched, int8_vnni=cpu.has("avx512_vnni"))
+    isa.choose(kernels)
+    logger.info("CPU %s; C++ kernels: the %s copy; batched GEMMs: %s; int8 activations: %s",
+                cpu.summary(), variant, ", ".join(f"{k} {v}" for k, v in batched.items()),
+                "8-bit (VNNI)" if kernels.int8_vnni else "7-bit (no AVX-512 VNNI)")
+    return kernels
+
+
+def _onednn_bf16(cpu: cpu_features.CpuFeatures) -> bool:
+    """oneDNN's bf16 inner product runs here: its own condition (avx512bw/vl/dq, or
+    avx_ne_convert), and torch agrees (it honours ONEDNN_MAX_CPU_ISA set by hand)."""
+    if not (cpu.has("avx512bw", "avx512vl", "avx512dq") or cpu.has("avx_ne_convert")):
+        return False
+    return bool(torch.backends.mkldnn.is_available()) and \
+        bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _check_cpu_format(fmt: str, kernels: CpuKernels) -> None:
+    """Refuse, in one line, a weight format nothing here runs well."""
+    from triptych.kernels.cpu import linear, panel_gemm
+
+    runs = {f: linear.available(f) for f in linear.FORMATS}
+    if kernels.batched["bfloat16"] == "panels":  # no oneDNN bf16: ours or nothing
+        runs["bfloat16"] = panel_gemm.loaded()
+    if runs[fmt]:
+        return
+    flag = "--quantization int8" if fmt == "int8" else f"--dtype {fmt}"
+    why = {"bfloat16": "oneDNN's bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert and "
+                       "triptych's own C++ kernels did not build (install g++)",
+           "float16": "this torch build has no fbgemm", "int8": "this torch build has no fbgemm",
+           "float32": "this torch build has no oneDNN"}[fmt]
+    good = [("--quantization int8" if f == "int8" else f"--dtype {f}")
+            for f in linear.FORMATS if runs[f]]
+    raise ValueError(f"{flag} does not run well on this CPU ({why}); formats that do: "
+                     f"{', '.join(good) or 'none: use --cpu-gemm torch'}")
 
 
 def cpu_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -111,6 +187,7 @@ def cpu_argmax(logits: torch.Tensor) -> torch.Tensor:
     one thread per 64 MiB of logits: docs/performance.md, "Batch 32"), same result."""
     from triptych.kernels.cpu import panel_gemm
 
+    cpu_kernels()  # the variant the argmax runs (a no-op once the engine has chosen)
     if logits.dim() == 2 and logits.is_contiguous() and logits.numel() and \
             logits.dtype == torch.float32 and panel_gemm.loaded():
         return panel_gemm.argmax(logits)

@@ -73,7 +73,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
     if cpu_weights and dtype == torch.float32:  # (a CPU engine's choice: engine/platform.py)
+        from triptych.engine.platform import cpu_kernels
         from triptych.kernels.cpu.linear import available, pack_linears
+
+        cpu_kernels()  # this CPU's kernels, chosen once per process (an engine chose at start)
 
         if available(cpu_weights) or cpu_weights != "float32":  # else: F.linear, logged
             pack_linears(model, cpu_weights)

@@ -1,5 +1,6 @@
 """The fused CPU paged-decode attention (kernels/cpu/paged_attention.py) against the torch
-reference, for every block size the config allows and the head layouts the models use.
+reference, for every block size the config allows and the head layouts the models use, in
+every instruction-set copy this CPU runs (AVX-512, AVX2, portable).
 
 The kernel is compiled once per machine (kernels/cpu/build.py); these tests load it from
 that cache like the engine does, so the suite compiles it at most once."""
@@ -15,6 +16,9 @@ from triptych.kernels import get_ops, resolve_backend, torch_ref
 from triptych.kernels.cpu import build as cpu_build
 from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_variants import ids, runnable
+
 # Only a missing compiler skips: with one, a failed build fails these tests.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,
                                 reason="no C++ compiler: the fused CPU kernel cannot be built")
@@ -24,12 +28,18 @@ pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,
 def _built() -> None:
     assert cpu_paged_attention.available(), "the fused CPU kernel did not build (log above)"
 
+
+def _variants() -> list[int]:
+    return runnable(cpu_paged_attention._built())
+
 # (H, Hkv, D): tiny qwen2-vl (16), tiny qwen3-vl / internvl (32), the OCR bench model (64),
 # the default bench model (8/4/64), Qwen2-VL-2B (12/2/128), -7B (28/4/128), MHA, MQA
 LAYOUTS = [(4, 2, 16), (4, 2, 32), (4, 2, 64), (8, 4, 64), (12, 2, 128), (28, 4, 128),
            (4, 4, 32), (8, 1, 64),
            (4, 2, 80),  # AVX-512 path with a 16-lane tail after the 64-lane chunks
-           (2, 1, 24)]  # not a multiple of 16: the portable loop
+           (4, 2, 40),  # AVX2 path with an 8-lane tail after the 32-lane chunks
+           (2, 1, 24),  # not a multiple of 16: AVX-512 takes the portable loop, AVX2 not
+           (2, 1, 12)]  # not a multiple of 8: the portable loop everywhere
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every size EngineConfig accepts
 
 
@@ -62,8 +72,11 @@ def test_matches_the_torch_reference_fp32(bs, layout):
     q, kc, vc, tables, seq_lens = _case(h, hkv, d, bs, lens, torch.float32, seed=bs + d)
     scale = d ** -0.5
     ref = torch_ref.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
-    out = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for v in _variants():
+        out = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, seq_lens, scale,
+                                                         variant=v)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, v=v: f"{ids([v])}: {m}")
 
 
 def test_threads_split_and_plan_give_the_same_result():
@@ -81,17 +94,21 @@ def test_threads_split_and_plan_give_the_same_result():
     assert cpu_paged_attention.grain(64, 100 << 10, 2) == 64  # too little for a 2nd thread
 
 
+@pytest.mark.parametrize("d", [64, 40, 12])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_cache_within_rounding_of_the_fp32_math(dtype):
-    """16-bit q/K/V are widened to fp32 in the loop; the result differs from fp32 math on
-    the same 16-bit inputs only by the final rounding to 16 bits."""
-    q, kc, vc, tables, lens = _case(4, 2, 64, 16, [1, 50, 129], dtype)
+def test_16_bit_cache_within_rounding_of_the_fp32_math(dtype, d):
+    """16-bit q/K/V are widened to fp32 in the loop (vector paths and the portable one);
+    the result differs from fp32 math on the same 16-bit inputs only by the final rounding
+    to 16 bits."""
+    q, kc, vc, tables, lens = _case(4, 2, d, 16, [1, 50, 129], dtype)
     ref = torch_ref.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, lens,
-                                           0.125)
-    out = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
-    assert out.dtype == dtype
+                                           d ** -0.5)
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    for v in _variants():
+        out = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5,
+                                                         variant=v)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 def test_bad_input_is_refused_clearly():
@@ -120,14 +137,14 @@ _START = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=s
 
 def test_workers_starting_together_build_once(tmp_path):
     """Two processes on an empty cache at once: one compiles (here a stand-in compiler that
-    copies the real library, slowly, and counts its calls), the other waits on the lock
-    and loads the finished file without compiling; both run the fused kernel."""
+    copies the real library, slowly, and notes which process called it), the other waits
+    on the lock and loads the finished file without calling the compiler; both load it."""
     built = cpu_build.load_library(cpu_paged_attention.LIBRARY)
     fake = tmp_path / "fake-g++"
     fake.write_text(f"""#!/bin/sh
 [ "$1" = "--version" ] && {{ echo "fake g++ 1"; exit 0; }}
-echo call >> {tmp_path}/calls
-sleep 2
+echo $PPID >> {tmp_path}/calls
+sleep 1
 for a; do out="$a"; done
 cp {built} "$out"
 """)
@@ -139,7 +156,9 @@ cp {built} "$out"
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert all(out.strip().endswith("cpu") for out in outs), outs
-    assert (tmp_path / "calls").read_text().count("call") == 1
+    # probes, the op, a copy per variant and the link: all from one of the two processes
+    callers = set((tmp_path / "calls").read_text().split())
+    assert len(callers) == 1 and callers <= {str(p.pid) for p in procs}, callers
     assert sum("compiling" in out for out in outs) == 1, outs
 
 

@@ -1,20 +1,35 @@
-"""The CPU decoder layer's fused ops (kernels/cpu/fused_ops.py, csrc/cpu_fused_ops.cpp)
-against the torch reference they replace in the ``cpu`` backend: M-RoPE of strided q / k
-views and the K/V cache write (padding slots skipped) bit for bit, residual + RMSNorm
-within the rounding of its mean, silu(gate) * up within a few ulp of its exp, the
-fallbacks for inputs the C++ ops do not take, and ``TRIPTYCH_CPU_FUSED_OPS=0`` keeping
-the torch ops in ``get_ops('cpu')``."""
+"""The CPU decoder layer's fused ops (kernels/cpu/fused_ops.py, csrc/cpu_fused_ops/)
+against the torch reference they replace in the ``cpu`` backend, in every instruction-set
+copy this CPU runs: M-RoPE of strided q / k views and the K/V cache write (padding slots
+skipped) bit for bit, residual + RMSNorm within the rounding of its mean, silu(gate) * up
+within a few ulp of its exp (overflow, underflow and NaN as torch), the fallbacks for
+inputs the C++ ops do not take, and ``TRIPTYCH_CPU_FUSED_OPS=0`` keeping the torch ops in
+``get_ops('cpu')``."""
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
 from triptych.kernels import get_ops, torch_ref
 from triptych.kernels.cpu import fused_ops as cpu_fused_ops
 
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_variants import ids, runnable
+
 pytestmark = pytest.mark.skipif(not cpu_fused_ops.enabled(), reason="no C++ compiler here")
+VARIANTS = runnable(cpu_fused_ops._built()) if cpu_fused_ops.enabled() else []
 
 
-def test_add_rms_norm_matches_the_reference():
+@pytest.fixture(params=VARIANTS, ids=ids(VARIANTS))
+def variant(request, monkeypatch) -> int:
+    """The ops run this copy (the engine runs the platform's choice)."""
+    monkeypatch.setattr(cpu_fused_ops, "variant_id", lambda: request.param)
+    return request.param
+
+
+def test_add_rms_norm_matches_the_reference(variant):
     g = torch.Generator().manual_seed(0)
     for t, c in [(1, 512), (5, 40), (3, 17)]:
         x, r, w = torch.randn(t, c, generator=g), torch.randn(t, c, generator=g), \
@@ -30,7 +45,7 @@ def test_add_rms_norm_matches_the_reference():
                        torch_ref.rms_norm(x3, torch.ones(8), 1e-6))
 
 
-def test_mrope_and_cache_write_equal_the_reference_bit_for_bit():
+def test_mrope_and_cache_write_equal_the_reference_bit_for_bit(variant):
     g = torch.Generator().manual_seed(1)
     t, h, hkv, d = 7, 8, 4, 64
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)  # q / k / v: strided views
@@ -54,7 +69,7 @@ def test_mrope_and_cache_write_equal_the_reference_bit_for_bit():
     assert torch.equal(bf[0].view(-1, hkv, d)[3], k[0].bfloat16())
 
 
-def test_silu_and_mul_matches_torch_within_a_few_ulp():
+def test_silu_and_mul_matches_torch_within_a_few_ulp(variant):
     # NOTE: measured max difference from F.silu(gate) * up: 3.1e-7 relative (~2.6 ulp;
     # 96% of the elements equal), from the two exps' roundings (torch's and ours)
     g = torch.Generator().manual_seed(2)

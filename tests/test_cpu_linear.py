@@ -5,6 +5,9 @@ threads chosen by GEMM size and weight bytes, and the choice of a user who turne
 kept."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,9 @@ from triptych.kernels.cpu.linear import (
     min_flops_per_thread,
     pack_linears,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_variants import KERNELS  # noqa: F401 (the platform chose this CPU's kernels)
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(),
                                 reason="this torch build has no oneDNN packed linear")

@@ -1,4 +1,4 @@
-"""The CPU decoder layer's small ops fused in C++ (``csrc/cpu_fused_ops.cpp``): residual
+"""The CPU decoder layer's small ops fused in C++ (``csrc/cpu_fused_ops/``): residual
 add + RMSNorm, M-RoPE of q and k, the K/V cache write and the MLP's silu(gate) * up, one
 op each where the torch reference issues 2-10 (the ``cpu`` backend's ``rms_norm`` /
 ``apply_mrope`` / ``reshape_and_cache`` / ``silu_and_mul``; ``kernels.get_ops``). Same
@@ -15,12 +15,14 @@ ops".
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 from triptych.kernels import torch_ref
 from triptych.kernels.cpu import build as cpu_build
+from triptych.kernels.cpu import isa
 
 logger = logging.getLogger("triptych.cpu_fused_ops")
 
@@ -33,6 +35,16 @@ def enabled() -> bool:
                             "the fused CPU layer ops are unavailable, using the torch ones")
 
 
+@functools.cache
+def _built() -> tuple[int, ...]:
+    return tuple(torch.ops.triptych_fused.variants())
+
+
+def variant_id() -> int:
+    """The variant this process runs (the platform's choice, as far as this build holds it)."""
+    return isa.variant_id(LIBRARY, _built())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.device.type != "cpu" or x.stride(-1) != 1 or (residual is not None and (
                 residual.dtype != torch.float32 or residual.stride(-1) != 1)):
         return torch_ref.rms_norm(x, weight, eps, residual)
-    y, total = torch.ops.triptych_fused.add_rms_norm(x, residual, weight.contiguous(), eps)
+    y, total = torch.ops.triptych_fused.add_rms_norm(x, residual, weight.contiguous(), eps,
+                                                     variant_id())
     return y if residual is None else (y, total)
 
 
@@ -55,7 +68,7 @@ def apply_mrope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return torch_ref.apply_mrope(q, k, positions, cos_sin_cache, mrope_section, plan)
     cos, sin = plan if plan is not None else torch_ref.mrope_plan(
         positions, cos_sin_cache, mrope_section)
-    return torch.ops.triptych_fused.mrope(q, k, cos.contiguous(), sin.contiguous())
+    return torch.ops.triptych_fused.mrope(q, k, cos.contiguous(), sin.contiguous(), variant_id())
 
 
 apply_mrope.make_plan = torch_ref.mrope_plan  # type: ignore[attr-defined]
@@ -84,4 +97,4 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
             gate_up.device.type != "cpu" or gate_up.stride(-1) != 1 or \
             gate_up.shape[1] != 2 * inter:  # the reference says what is wrong
         return torch_ref.silu_and_mul(gate_up, inter)
-    return torch.ops.triptych_fused.silu_and_mul(gate_up, inter)
+    return torch.ops.triptych_fused.silu_and_mul(gate_up, inter, variant_id())

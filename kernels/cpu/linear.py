@@ -15,10 +15,13 @@ the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
                           (symmetric), x quantized per call to uint8 (per tensor), int32
                           accumulation, fp32 out
 
-fp32 on an AVX-512 CPU runs our panel GEMM (``kernels/cpu/panel_gemm.py``) instead of
-oneDNN for calls above the GEMV's rows (its panels replace oneDNN's packed copy;
-``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps oneDNN). No fp32 copy of a 16- or 8-bit weight is
-ever made. The LM head packs its own copy
+Where the platform chose panels for a format (``isa.CpuKernels.batched``, decided per CPU
+in engine/platform.py: fp32 wherever AVX2 runs; bf16 where oneDNN's bf16 GEMM does not,
+i.e. without AVX-512, its weight widened in registers) our panel GEMM
+(``kernels/cpu/panel_gemm.py``) replaces the library for calls above the GEMV's rows (its
+panels replace the library's packed copy; ``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps the library
+where one runs the format). No fp32 copy of a 16- or 8-bit weight is ever made. The LM
+head packs its own copy
 (``CpuGemm`` in ``compute_logits``); the embedding keeps its fp32 rows for lookups.
 
 Why (docs/performance.md, 2-core AMD EPYC, torch 2.13 CPU wheel):
@@ -52,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from triptych.kernels.cpu import gemv as cpu_gemv
+from triptych.kernels.cpu import isa
 from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
 
 logger = logging.getLogger("triptych.cpu_linear")
@@ -74,12 +78,14 @@ MIN_BYTES_SPINNING = 1 << 20
 # b2 0.54x; bf16 b1 0.71x, b2 0.72x; int8 (VNNI) b1 0.81x, b2 0.81x; fp16 b1 1.05x, so
 # fp16 stays on fbgemm (already at the memory's rate) and keeps no copy. At 4 rows the
 # libraries won for bf16 / int8 (docs/performance.md, "Where the batch-1 step's time goes").
-# fp32 where the panel GEMM runs (AVX-512) takes the panels at every row count instead: on
-# a quiet host a batch-1 fp32 decode was 1.14-1.19x llama.cpp with the panels and
-# 0.90-0.97x with the GEMV (same runs; docs/performance.md, "Issue 22, third round").
-GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 2}
-# Formats whose calls above the GEMV's rows go to the panel GEMM (kernels/cpu/panel_gemm.py)
-PANEL_FORMATS = ("float32",)
+# fp32 on the AVX-512 panels takes them at every row count instead: on a quiet host a
+# batch-1 fp32 decode was 1.14-1.19x llama.cpp with the panels and 0.90-0.97x with the GEMV
+# (same runs; docs/performance.md, "Issue 22, third round").
+# int8 at 2 rows: fbgemm 3.5-3.8 vs the GEMV 3.9-4.4 CPU ms a step, native and AVX2 alike,
+# once the VNNI GEMV lost its masked loads (docs/performance.md, "AVX2-only CPUs").
+GEMV_MAX_ROWS = {"float32": 2, "bfloat16": 2, "float16": 0, "int8": 1}
+# (format, kernel copy) whose panels take the GEMV's rows too
+PANELS_AT_ONE_ROW = {("float32", "avx512"), ("float32", "avx512_bf16")}
 
 
 def available(fmt: str = "float32") -> bool:
@@ -117,16 +123,6 @@ def min_bytes_per_thread(env: Any = None) -> float:
     return MIN_BYTES_SPINNING if _spinning(env) else MIN_BYTES_PASSIVE
 
 
-def _has_vnni() -> bool:
-    """AVX-512 VNNI / AVX-VNNI: int8 dot products without 16-bit intermediate sums."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
-
-
 def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
     """fbgemm's prepacked weight: int8, one symmetric scale per output row."""
     w = weight.detach().float()
@@ -156,14 +152,20 @@ class CpuGemm:
         w = weight.detach().contiguous()
         b = None if bias is None else bias.detach().float().contiguous()
         self.bias: torch.Tensor | None = None
-        # fp32 on AVX-512: our panel GEMM replaces oneDNN's packed weight (same bytes;
-        # kernels/cpu/panel_gemm.py). bf16 stays on oneDNN: its AVX512-BF16 GEMM ran as fast
+        # Our panel GEMM replaces the library's packed weight (same bytes) where the platform
+        # chose it. bf16 stays on oneDNN where that runs: its AVX512-BF16 GEMM ran as fast
         # at batch 32 and faster on prefills (docs/performance.md, "Batch 32")
+        kernels = isa.chosen()
         self.panels: torch.Tensor | None = None
         self.panel_bias = b
-        if fmt in PANEL_FORMATS and cpu_panel_gemm.supported(fmt):
+        self.panel_variant = -1
+        if self._takes_panels(fmt, kernels.batched.get(fmt, "")):
             self.panels = cpu_panel_gemm.pack(w.to(getattr(torch, fmt)))
+            self.panel_variant = cpu_panel_gemm.variant_id()
             self.packed = None
+        elif fmt == "bfloat16" and kernels.batched[fmt] == "panels":
+            raise ValueError("bfloat16 weights need oneDNN's bf16 GEMM (AVX-512) or the C++ "
+                             "panel GEMM, which did not build here (install g++)")
         elif fmt == "float32":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_HINT_ROWS)
             self.bias = b
@@ -175,8 +177,8 @@ class CpuGemm:
         else:
             self.packed = _int8_pack(w, b)
             # Without VNNI, fbgemm's u8 x s8 pair sums saturate int16: 7-bit activations.
-            self.reduce_range = not _has_vnni()
-        self._gemv_copy(w, b, fmt)
+            self.reduce_range = not kernels.int8_vnni
+        self._gemv_copy(w, b, fmt, kernels.variant)
         self.weight_bytes = self.out_features * self.in_features * BYTES[fmt]
         # the bias rides with the packed weight (fp32 inside fbgemm's prepack)
         self.bias_bytes = 0 if b is None else b.numel() * (
@@ -184,14 +186,25 @@ class CpuGemm:
         self.min_flops = min_flops_per_thread() if min_flops is None else min_flops
         self.min_bytes = min_bytes_per_thread() if min_bytes is None else min_bytes
 
-    def _gemv_copy(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> None:
+    @staticmethod
+    def _takes_panels(fmt: str, path: str) -> bool:
+        """The panel GEMM serves ``fmt``'s batched calls: the platform chose it and it is
+        built; the A/B switch sends fp32 back to oneDNN (bf16 has no library to go back to
+        where panels were chosen)."""
+        if path != "panels" or fmt not in cpu_panel_gemm.FORMATS or not cpu_panel_gemm.loaded():
+            return False
+        return fmt == "bfloat16" or not cpu_panel_gemm.switched_off()
+
+    def _gemv_copy(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str,
+                   variant: str) -> None:
         """The row-major weight the GEMV kernel reads (decode steps of 1-2 rows). fp32:
         ``w`` itself (the LM head: the tied embedding, no copy; a layer: its dense
         weight stays alive beside the packed one); bf16: a cast copy; int8: the same
         per-row symmetric quantization as fbgemm's pack, with its scales; fp16: none."""
         self.gemv_max_rows = GEMV_MAX_ROWS[fmt] if cpu_gemv.enabled() else 0
-        if self.panels is not None:  # the panels stream as fast at 1-2 rows, with no hsums
-            self.gemv_max_rows = 0
+        if self.panels is not None and (fmt, variant) in PANELS_AT_ONE_ROW:
+            self.gemv_max_rows = 0  # the panels stream as fast at 1-2 rows, with no hsums
+        self.gemv_variant = cpu_gemv.variant_id() if self.gemv_max_rows else -1
         self.gemv_w: torch.Tensor | None = None
         self.gemv_scale: torch.Tensor | None = None
         self.gemv_wsum: torch.Tensor | None = None  # int8: row sums (cpu_gemv.row_sums)
@@ -230,7 +243,8 @@ class CpuGemm:
         if 0 < rows <= self.gemv_max_rows:
             x2 = x.reshape(rows, self.in_features).contiguous()
             y = cpu_gemv.gemv(x2 if x2.dtype == torch.float32 else x2.float(), self.gemv_w,
-                              self.gemv_scale, self.gemv_bias, want, self.gemv_wsum)
+                              self.gemv_scale, self.gemv_bias, want, self.gemv_wsum,
+                              self.gemv_variant)
             return y.view(*x.shape[:-1], self.out_features)
         if want == most:
             return self._run(x)
@@ -244,12 +258,13 @@ class CpuGemm:
         """The index of each row's largest output, [rows] int64, as ``self(x).argmax(-1)``,
         without making the output (fp32 panels: the LM head's greedy tokens); None where
         this weight has no panels."""
-        if self.panels is None or x.dtype != torch.float32:
+        if self.panels is None or self.panels.dtype != torch.float32 or x.dtype != torch.float32:
             return None
         rows = x.numel() // max(1, self.in_features)
         x2 = x.reshape(rows, self.in_features).contiguous()
         return cpu_panel_gemm.gemm_argmax(x2, self.panels, self.out_features, self.panel_bias,
-                                          self.threads(rows, torch.get_num_threads()))
+                                          self.threads(rows, torch.get_num_threads()),
+                                          self.panel_variant)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] fp32 -> [..., N] fp32
@@ -257,7 +272,8 @@ class CpuGemm:
             x = x.contiguous()
         if self.panels is not None:
             y = cpu_panel_gemm.gemm(x.reshape(-1, self.in_features).float(), self.panels,
-                                    self.out_features, self.panel_bias, torch.get_num_threads())
+                                    self.out_features, self.panel_bias, torch.get_num_threads(),
+                                    self.panel_variant)
             return y.view(*x.shape[:-1], self.out_features)
         if self.fmt == "float32":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

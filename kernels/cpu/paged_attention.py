@@ -1,10 +1,11 @@
-"""Fused paged-decode attention for the CPU (C++, ``csrc/cpu_paged_attention.cpp``).
+"""Fused paged-decode attention for the CPU (C++, ``csrc/cpu_paged_attention/``).
 
 Same contract as ``torch_ref.paged_decode_attention``; K/V are read in place from their
 cache blocks through the block table instead of being gathered into a contiguous copy
 for SDPA (that gather was half the OCR preset's decode forward, docs/performance.md).
-Built on first use by ``cpu_build`` (once per machine, cached); ``available()`` says
-whether that worked here and logs why not.
+Built on first use by ``cpu_build`` (once per machine, cached, a copy per instruction set:
+``isa.py``; each call runs the variant the platform chose); ``available()`` says whether
+that worked here and logs why not.
 
 Threads: the work items are (sequence, KV head) pairs on torch's intra-op threads. A call
 takes one thread per ``MIN_KV_BYTES_PER_THREAD`` of K/V it reads, up to the process's
@@ -17,13 +18,14 @@ step's other ops (GEMMs under 24 MFLOP, norms) are single-threaded already.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import NamedTuple
 
 import torch
-
 from triptych.kernels.cpu import build as cpu_build
+from triptych.kernels.cpu import isa
 
 logger = logging.getLogger("triptych.cpu_attention")
 
@@ -36,6 +38,16 @@ def available() -> bool:
     return cpu_build.usable(LIBRARY, logger,
                             "the fused CPU paged attention is unavailable, using the slower "
                             "torch gather + SDPA path instead")
+
+
+@functools.cache
+def _built() -> tuple[int, ...]:
+    return tuple(torch.ops.triptych_cpu.variants())
+
+
+def variant_id() -> int:
+    """The variant this process runs (the platform's choice, as far as this build holds it)."""
+    return isa.variant_id(LIBRARY, _built())
 
 
 class CpuDecodePlan(NamedTuple):
@@ -70,6 +82,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32: context length including the query token
     scale: float,
     plan: CpuDecodePlan | None = None,  # per-forward tables and thread split (decode_plan)
+    variant: int | None = None,  # an isa.NAMES index: another copy than the platform's (tests)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one new token per sequence over its paged context (GQA: the H / Hkv
     query heads of a KV head share each K/V row read). fp32 / bf16 / fp16, fp32 math."""
@@ -85,7 +98,8 @@ def paged_decode_attention(
     kv_bytes = plan.num_tokens * 2 * hkv * d * k_cache.element_size()
     items = grain(q.shape[0] * hkv, kv_bytes, torch.get_num_threads())
     return torch.ops.triptych_cpu.paged_decode_attention(
-        q.contiguous(), k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, items)
+        q.contiguous(), k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, items,
+        variant_id() if variant is None else variant)
 
 
 paged_decode_attention.make_plan = decode_plan  # type: ignore[attr-defined]
