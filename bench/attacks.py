@@ -86,11 +86,24 @@ def _bob(base: str, n: int) -> list[float]:
     return out
 
 
-def _in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict]:
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("result", fn()), daemon=True)
-    t.start()
-    return t, box
+def _during(attackers: list[Callable[[], Any]], base: str, victims: int,
+            head_start: float = 1.0) -> tuple[list[float], list[Any]]:
+    """Bob's latencies while ``attackers`` (each run once, on its own thread) are at work,
+    and what each attacker got."""
+    results: list[Any] = [None] * len(attackers)
+
+    def run(i: int) -> None:
+        results[i] = attackers[i]()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True)
+               for i in range(len(attackers))]
+    for t in threads:
+        t.start()
+    time.sleep(head_start)
+    lat = _bob(base, victims)
+    for t in threads:
+        t.join(1800)
+    return lat, results
 
 
 def attack_sockets(base: str, port: int, victims: int) -> tuple[list[float], str]:
@@ -111,12 +124,8 @@ def attack_grammar(base: str, victims: int, a_id: int) -> tuple[list[float], str
     body = {"messages": [{"role": "user", "content": "count"}],
             "max_tokens": 400, "temperature": 0, "logit_bias": {str(a_id): 100},
             "structured_outputs": {"grammar": AMBIGUOUS}}
-    t, box = _in_background(lambda: _post(base, ALICE, body))
-    time.sleep(1.0)
-    lat = _bob(base, victims)
-    t.join(600)
-    r = box.get("result")
-    return lat, f"attacker: {r.status_code} {r.text[:120] if r is not None else ''}"
+    lat, (r,) = _during([lambda: _post(base, ALICE, body)], base, victims)
+    return lat, f"attacker: {r.status_code} {r.text[:120]}"
 
 
 def attack_whitelist(base: str, victims: int) -> tuple[list[float], str]:
@@ -141,54 +150,30 @@ def attack_jpegs(base: str, victims: int) -> tuple[list[float], str]:
     url = "data:image/jpeg;base64," + base64.b64encode(slow_jpeg()).decode()
     body = {"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}]}
-    results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(
-        _post(base, ALICE, body, timeout=900).status_code), daemon=True) for _ in range(40)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    lat = _bob(base, victims)
-    for t in threads:
-        t.join(900)
-    return lat, f"attacker: {sorted(set(results))}"
+    lat, rs = _during([lambda: _post(base, ALICE, body, timeout=900)] * 40, base, victims)
+    return lat, f"attacker: {sorted({r.status_code for r in rs})}"
 
 
 def attack_answer(base: str, victims: int) -> tuple[list[float], str]:
     body = {"messages": [{"role": "user", "content": "story"}], "n": 16,
             "max_tokens": 1500, "min_tokens": 1500, "temperature": 1.0, "logprobs": True,
             "top_logprobs": 20}
-    t, box = _in_background(lambda: _post(base, ALICE, body, timeout=1800))
-    time.sleep(1.0)
-    lat = _bob(base, victims)
-    t.join(1800)
-    r = box.get("result")
+    lat, (r,) = _during([lambda: _post(base, ALICE, body, timeout=1800)], base, victims)
     return lat, f"attacker: {r.status_code}, {len(r.content) / 1e6:.1f} MB body"
 
 
 def attack_messages(base: str, victims: int) -> tuple[list[float], str]:
-    body = {"max_tokens": 4, "messages": [{"role": "user", "content": ""}]
-            * 250_000}
-    t, box = _in_background(lambda: _post(base, ALICE, body))
-    lat = _bob(base, victims)
-    t.join(300)
-    r = box["result"]
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": ""}] * 250_000}
+    lat, (r,) = _during([lambda: _post(base, ALICE, body)], base, victims, head_start=0.0)
     return lat, f"attacker: {r.status_code} {r.json()['error']['message'][:90]}"
 
 
 def attack_queue(base: str, victims: int, limit: int) -> tuple[list[float], str]:
     body = {"messages": [{"role": "user", "content": "go"}], "n": 16,
-            "max_tokens": 400, "min_tokens": 400, "temperature": 1.0, "stream": False}
-    codes: list[int] = []
-    threads = [threading.Thread(target=lambda: codes.append(
-        _post(base, ALICE, body, timeout=900).status_code), daemon=True)
-        for _ in range(limit // 16 + 2)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    lat = _bob(base, victims)
-    for t in threads:
-        t.join(900)
-    return lat, f"attacker: {sorted(codes)}"
+            "max_tokens": 400, "min_tokens": 400, "temperature": 1.0}
+    lat, rs = _during([lambda: _post(base, ALICE, body, timeout=900)] * (limit // 16 + 2),
+                      base, victims)
+    return lat, f"attacker: {sorted(r.status_code for r in rs)}"
 
 
 def run(args: argparse.Namespace) -> int:
