@@ -193,14 +193,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
                   {"block_tables": block_tables, "seq_lens": seq_lens})
     check_cache(fn, k_cache, v_cache)
-    require(q.dim() == 3, f"{fn}: q must be [B, H, D], got {tuple(q.shape)}")
+    require(q.dim() == 3, lambda: f"{fn}: q must be [B, H, D], got {tuple(q.shape)}")
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    require(q.dtype == k_cache.dtype, f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
+    require(q.dtype == k_cache.dtype, lambda: f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
     require(k_cache.shape[3] == d and h % hkv == 0,
-            f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+            lambda: f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     require(block_tables.dim() == 2 and block_tables.shape[0] == b and seq_lens.shape == (b,),
-            f"{fn}: block_tables {tuple(block_tables.shape)} / seq_lens "
+            lambda: f"{fn}: block_tables {tuple(block_tables.shape)} / seq_lens "
             f"{tuple(seq_lens.shape)} do not match batch {b}")
     out = torch.empty_like(q)
     if b == 0:
@@ -211,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     in_memory = num_splits is not None
     if in_memory:
         require(partition is not None and partition.numel() == 1 and num_splits >= 1,
-                f"{fn}: num_splits needs partition (a 1-element device tensor)")
+                lambda: f"{fn}: num_splits needs partition (a 1-element device tensor)")
         splits, part = num_splits, 0
     else:
         max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
@@ -219,7 +219,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
         else:
             require(partition_size > 0 and partition_size % 16 == 0,
-                    f"{fn}: partition_size must be a positive multiple of 16")
+                    lambda: f"{fn}: partition_size must be a positive multiple of 16")
             part = partition_size
             while part % block_n:
                 block_n //= 2
