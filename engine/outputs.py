@@ -33,6 +33,9 @@ class Logprob:
 class CompletionOutput:
     index: int  # which of the n completions
     text: str
+    # NOTE: token_ids and logprobs are the completion's own lists, which grow until it
+    # finishes (no copy per step): read them as the output arrives, copy to keep a snapshot;
+    # token_ids_delta (and the last len(token_ids_delta) logprobs) are this output's own.
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per output token, when asked for
