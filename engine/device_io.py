@@ -6,6 +6,8 @@ readiness an event tells: the host waits for exactly the data it reads, never fo
 whole device. On the CPU "the device" is the host: nothing is copied at all.
 
     to_device(t, device)        one host tensor to the device, pinned + non_blocking
+    to_host(t)                  one device tensor to a pinned host tensor, non_blocking
+                                copy, one event wait (KV export)
     StepStaging.stage(arrays)   a step's host arrays packed into ONE pinned buffer, ONE
                                 copy; returns their device views (runner inputs, sampler
                                 tensors)
@@ -33,6 +35,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: itself on the CPU; from a GPU into pinned memory (torch's caching
+    host allocator reuses it once the caller drops it) with a non-blocking copy, then a
+    wait on that copy's event alone: never a pageable copy, which stalls the whole
+    stream's host side."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return out
 
 
 def _aligned(n: int) -> int:
@@ -86,24 +103,38 @@ class StepStaging:
         self._copied: torch.cuda.Event | None = None
         self.num_copies = 0  # host -> device copies made (tests and the GPU check count)
 
-    def stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device tensors of ``arrays`` (same dtypes and shapes), in order."""
+    def stage(self, arrays: list[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+        """Device tensors of ``arrays`` (same dtypes and shapes), in order. Host torch
+        tensors are taken as bytes (any dtype: bf16 KV blocks too)."""
         if not self.pack:  # the CPU reads the host arrays where they are
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, end = _layout([a.nbytes for a in arrays])
+            return [a if isinstance(a, torch.Tensor) else
+                    torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        raw = [_bytes(a) for a in arrays]
+        offsets, end = _layout([r.nbytes for r in raw])
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the buffer
         self.buf.reserve(end)
         host = self.buf.host.numpy()
-        for a, off in zip(arrays, offsets):
-            host[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for r, off in zip(raw, offsets):
+            host[off:off + r.nbytes] = r
         if end and not is_host(self.device):
             self.buf.dev[:end].copy_(self.buf.host[:end], non_blocking=True)
             self.num_copies += 1
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return [self.buf.dev[off:off + a.nbytes].view(_TORCH_DTYPES[np.dtype(a.dtype)])
-                .view(a.shape) for a, off in zip(arrays, offsets)]
+        return [self.buf.dev[off:off + r.nbytes].view(_dtype(a)).view(a.shape)
+                for a, r, off in zip(arrays, raw, offsets)]
+
+
+def _bytes(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The bytes of a host array or tensor, flat, as numpy uint8 (no copy when contiguous)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _dtype(a: np.ndarray | torch.Tensor) -> torch.dtype:
+    return a.dtype if isinstance(a, torch.Tensor) else _TORCH_DTYPES[np.dtype(a.dtype)]
 
 
 class HostFetch:

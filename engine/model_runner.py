@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from triptych.engine.cuda_graphs import CudaGraphRunner
-from triptych.engine.device_io import HostFetch, StepStaging, to_device
+from triptych.engine.device_io import HostFetch, StepStaging, to_device, to_host
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.grammar import apply_bitmask
@@ -100,6 +100,7 @@ class ModelRunner:
         self.vocab_size = vocab_size or _text_config(model).vocab_size
         self.staging = StepStaging(device)  # one host -> device copy per step
         self.fetch = HostFetch(device)  # one device -> host copy per step
+        self.kv_staging = StepStaging(device)  # KV import's pinned buffer (write_blocks)
         self.batch = InputBatch(block_size)
         self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
         self.greedy_step = False  # this step's rows all plain greedy (execute sets it)
@@ -352,18 +353,23 @@ class ModelRunner:
             off += count
 
     # -- KV blocks by id (a prefill worker's KVSender, a decode worker's KVReceiver) ---------
+    # NOTE (GPU): no pageable copy and no stream-wide sync. Export: the block ids go over
+    # pinned + non_blocking, the blocks are gathered on the device and come back in one
+    # copy into pinned memory, waited on by its event (a KV lane's thread reads them).
+    # Import: ids and blocks are packed into the import staging's pinned buffer (reused:
+    # it waits only for its own previous copy), copied once, then scattered on the device.
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[num_layers, 2, n, block_size, num_kv_heads, head_dim] host copy of these blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                            for k, v in self.kv_caches]).cpu()
+        idx = to_device(torch.tensor(block_ids, dtype=torch.long), self.device)
+        return to_host(torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                                    for k, v in self.kv_caches]))
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write ``kv`` (``read_blocks``' layout) into these blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for (kc, vc), layer in zip(self.kv_caches, kv):
-            kc.index_copy_(0, idx, layer[0].to(kc.device, kc.dtype))
-            vc.index_copy_(0, idx, layer[1].to(vc.device, vc.dtype))
+        """Write ``kv`` (``read_blocks``' layout, on the host) into these blocks."""
+        idx, data = self.kv_staging.stage([np.asarray(block_ids, dtype=np.int64), kv])
+        for (kc, vc), layer in zip(self.kv_caches, data):
+            kc.index_copy_(0, idx, layer[0].to(kc.dtype))
+            vc.index_copy_(0, idx, layer[1].to(vc.dtype))
 
     @property
     def kv_block_shape(self) -> tuple[int, ...]:
