@@ -12,9 +12,13 @@ whole device. On the CPU "the device" is the host: nothing is copied at all.
                                 copy; returns their device views (runner inputs, sampler
                                 tensors)
     HostFetch.fetch(tensors)    device results packed on the device, ONE copy into a pinned
-                                buffer, one event wait; returns numpy arrays
+                                buffer, one event wait; returns numpy arrays (start + wait:
+                                the copy enqueued now, read later)
 """
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,6 +141,17 @@ def _dtype(a: np.ndarray | torch.Tensor) -> torch.dtype:
     return a.dtype if isinstance(a, torch.Tensor) else _TORCH_DTYPES[np.dtype(a.dtype)]
 
 
+class Fetching:
+    """A device -> host copy under way (``HostFetch.start``): read it with ``HostFetch.wait``."""
+
+    def __init__(self, buf: _Buffers, event: torch.cuda.Event | None, tensors: list[Any],
+                 offsets: list[int], sizes: list[int]) -> None:
+        self.buf, self.event = buf, event
+        self.specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+        self.offsets, self.sizes = offsets, sizes
+        self.waited = False
+
+
 class HostFetch:
     """Device tensors -> numpy with one device-to-host copy and one event wait.
 
@@ -144,29 +159,57 @@ class HostFetch:
     on the device), copied in one ``copy_`` into a pinned host buffer, and read after the
     copy's event: the host waits for these bytes only. The CPU packs them too (one read
     of one buffer: the same code path, minus the copy).
+
+    ``start`` enqueues the copy and returns at once; ``wait`` blocks for it and reads it.
+    Each copy lands in a buffer no unread copy uses, so step N+1's copy can be enqueued
+    before step N's is read (async scheduling keeps one step in flight); ``fetch`` is both
+    at once.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.buf = _Buffers(device)
+        self.bufs = [_Buffers(device), _Buffers(device)]
+        self._open: list[Fetching | None] = [None, None]
         self.num_copies = 0  # device -> host copies made (tests and the GPU check count)
+        self.wait_seconds = 0.0  # time the host spent blocked in ``wait``
 
-    def fetch(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    def start(self, tensors: list[torch.Tensor]) -> Fetching:
         sizes = [t.numel() * t.element_size() for t in tensors]
         offsets, end = _layout(sizes)
-        self.buf.reserve(end)
+        # a buffer no unread copy lands in (two suffice for one step in flight; a step
+        # that also reads prompt logprobs takes a third)
+        i = next((i for i, f in enumerate(self._open) if f is None or f.waited), None)
+        if i is None:
+            i = len(self.bufs)
+            self.bufs.append(_Buffers(self.device))
+            self._open.append(None)
+        buf = self.bufs[i]
+        buf.reserve(end)
         for t, off, nb in zip(tensors, offsets, sizes):
             if nb:
-                self.buf.dev[off:off + nb].view(t.dtype).copy_(t.reshape(-1))
+                buf.dev[off:off + nb].view(t.dtype).copy_(t.reshape(-1))
+        event = None
         if not is_host(self.device):
-            self.buf.host[:end].copy_(self.buf.dev[:end], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            buf.host[:end].copy_(buf.dev[:end], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
             self.num_copies += 1
-            done.synchronize()
-        host = self.buf.host[:end].numpy()
-        return [host[off:off + nb].view(_NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape)).copy()
-                for t, off, nb in zip(tensors, offsets, sizes)]
+        f = self._open[i] = Fetching(buf, event, tensors, offsets, sizes)
+        return f
+
+    def wait(self, f: Fetching) -> list[np.ndarray]:
+        """The host copies of ``start``'s tensors (blocks until its copy has landed)."""
+        if f.event is not None:
+            t0 = time.perf_counter()
+            f.event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
+        f.waited = True
+        host = f.buf.host.numpy()
+        return [host[off:off + nb].view(_NUMPY_DTYPES[dt]).reshape(shape).copy()
+                for (dt, shape), off, nb in zip(f.specs, f.offsets, f.sizes)]
+
+    def fetch(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        return self.wait(self.start(tensors))
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,

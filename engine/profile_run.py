@@ -113,6 +113,7 @@ def profile_step(config: Any, shape: Any, hf: Any, max_model_len: int,
         positions, delta = contract.positions(len(ids), items, hf)
         req = Request(f"{PROFILE_ID}{i}", ids, params, items, mrope_positions=positions,
                       mrope_delta=delta)
+        req.num_computed_tokens = n  # (as the scheduler counts a scheduled step)
         blocks = -(-n // config.block_size)
         out.scheduled.append((req, n))
         out.block_ids[req.request_id] = list(range(next_block, next_block + blocks))

@@ -126,7 +126,7 @@ def _cuda_priority() -> Callable[[], contextlib.AbstractContextManager] | None:
     allowed (no cuDNN: it compiles per new shape, module NOTE); None where this torch
     cannot order them."""
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
     except ImportError:
         return None
     order = SERVING_ORDER

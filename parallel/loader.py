@@ -187,9 +187,16 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
     return runner, num_blocks
 
 
-def _profile_image(config: EngineConfig, m: LoadedModel) -> MMItem | None:
+def decodes_only(config: EngineConfig, pool: str) -> bool:
+    """A decode worker beside a prefill pool: it imports its requests' KV and never runs
+    the vision tower or fills an encoder cache (a preempted image request is handed back)."""
+    return pool == "decode" and config.prefill_workers > 0
+
+
+def _profile_image(config: EngineConfig, m: LoadedModel, pool: str = "") -> MMItem | None:
     """The largest image the limits allow, for a worker that runs the vision tower."""
-    if m.weight_parts == "language" or config.limit_mm_per_prompt.get("image", 0) < 1:
+    if m.weight_parts == "language" or config.limit_mm_per_prompt.get("image", 0) < 1 \
+            or decodes_only(config, pool):
         return None
     return largest_image(config.model, m.hf_config, max_image_tokens(config, m.max_model_len))
 
@@ -201,10 +208,14 @@ def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
     KV blocks of this worker (the smallest any rank's share holds, in a group)."""
     from triptych.models.tp_plan import local_kv_heads
 
-    step = profile_step(config, m.shape, m.hf_config, m.max_model_len, _profile_image(config, m))
+    step = profile_step(config, m.shape, m.hf_config, m.max_model_len,
+                        _profile_image(config, m, pool))
     meter.begin()
     run_profile(runner, step)
-    usage = meter.usage(parse_size(config.encoder_cache_size))
+    usage = meter.usage(0 if decodes_only(config, pool) else parse_size(config.encoder_cache_size))
+    # NOTE: what the profile step's activations left in the caching allocator goes back to
+    # the device before the KV cache is allocated (a worker sharing the GPU starts next)
+    release_device_memory()
     if graphs is not None and graphs.enabled:  # a trial capture on the small cache: what
         # the graphs will hold comes out of the share, then they are freed again
         held = runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)

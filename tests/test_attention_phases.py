@@ -284,3 +284,41 @@ def test_serving_sdpa_never_takes_cudnn():
     with torch_varlen._cuda_priority()():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_mixed_steps_run_decode_rows_through_the_decode_kernel(tiny_qwen2_vl):
+    """A prompt admitted beside running decodes (the common step under load): the decode
+    rows, which the batch puts first whatever their order of arrival, take the decode kernel
+    as one slice; the prompt's rows the prefill path (fresh q/k/v here: no cached prefix).
+    Greedy ids equal the torch engine's, where every row of such a step went paged."""
+    from triptych import LLM, SamplingParams
+
+    first = [list(range(10, 40)), list(range(40, 52))]  # 30 + 12 > 32: the second waits
+    late = list(range(60, 70))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    knobs = {"block_size": 4, "kv_cache_memory": "16MiB", "max_num_batched_tokens": 32,
+             "enable_chunked_prefill": False, "max_model_len": 32}
+    llm = LLM(tiny_qwen2_vl, attention_backend="triton", **knobs)
+    ops = llm.engine.core.runner.ops
+    calls: list[tuple[str, int]] = []
+
+    def counted(name, fn):
+        def wrapper(q, *a, **k):
+            calls.append((name, q.shape[0]))
+            return fn(q, *a, **k)
+        wrapper.make_plan = getattr(fn, "make_plan", None)
+        return wrapper
+
+    for name in ("paged_decode_attention", "paged_prefill_attention",
+                 "varlen_causal_attention"):
+        setattr(ops, name, counted(name.split("_")[1], getattr(ops, name)))
+    got = [o.outputs[0].token_ids for o in llm.generate(first + [late], sp, use_tqdm=False)]
+    layers = llm.engine.core.shape.num_layers
+    # step 2: the first prompt decodes (1 row) beside the others' 12 + 10 fresh rows
+    mixed = [i for i in range(len(calls) - 1)
+             if calls[i] == ("decode", 1) and calls[i + 1] == ("causal", 22)]
+    assert len(mixed) == layers, calls[:12]
+    assert ("paged", 23) not in calls  # (the old way: one prefill launch for every row)
+    ref = LLM(tiny_qwen2_vl, attention_backend="torch", **knobs)
+    assert [o.outputs[0].token_ids for o in ref.generate(first + [late], sp,
+                                                        use_tqdm=False)] == got

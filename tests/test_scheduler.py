@@ -20,8 +20,7 @@ def req(rid: str, n: int, max_tokens: int = 8, first: int = 0) -> Request:
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled
-               if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: token for r, n in out.scheduled if r.request_id in out.sampling}
     s.update_from_output(out, sampled)
     return [(r.request_id, n) for r, n in out.scheduled], out
 
