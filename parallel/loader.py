@@ -54,6 +54,7 @@ from triptych.engine.profile_run import (
     run_profile,
 )
 from triptych.engine.request import MMItem
+from triptych.engine.warmup import warm_up
 from triptych.models.weight_parts import parts_for_pool, weight_bytes
 from triptych.parallel import wire as tp_wire
 from triptych.parallel.group import TPGroup, start_group
@@ -182,9 +183,16 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
     if profile:
         assert meter is not None, "a profile run measures CUDA memory"
         num_blocks = _size_by_profile(config, m, runner, group, meter, pool, graphs)
+    if m.device.type == "cuda":  # the kernel variants of the first requests, compiled now
+        warm_up(runner, num_blocks, config.block_size, m.max_model_len, text_token(m.shape))
     if graphs.enabled:  # over the real cache (the trial capture of the sizing was freed)
         runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)
     return runner, num_blocks
+
+
+def text_token(shape: ModelShape) -> int:
+    """A token id that is neither an image nor a video placeholder (warm-up prompts)."""
+    return next(t for t in range(3) if t not in (shape.image_token_id, shape.video_token_id))
 
 
 def decodes_only(config: EngineConfig, pool: str) -> bool:

@@ -39,7 +39,9 @@ MAX_PARTITION = 4096  # tokens: a long sequence among short ones is not left as 
 S_BLOCK = 16  # splits merged per step of the reduce kernel
 
 
-@triton.jit
+# NOTE: ints that change from step to step are not specialised on (== 1, % 16): each value
+# class would be another compile, met first by some request (issue 40 row 9)
+@triton.jit(do_not_specialize=["partition", "num_splits", "stride_btb"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          part_out_ptr, part_m_ptr, part_l_ptr, scale, partition, part_ptr,
                          num_splits, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -94,7 +96,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
                  mask=mask_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition", "num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
                           partition, part_ptr, num_splits, stride_ob, stride_oh,
                           D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr,

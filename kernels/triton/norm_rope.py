@@ -59,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, res_out.view(x.shape))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (tokens per step: one compile for every T)
 def _mrope_kernel(x_ptr, o_ptr, pos_ptr, cache_ptr, T, stride_t, stride_h, NH: tl.constexpr,
                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, NH_PAD: tl.constexpr,
                   S0: tl.constexpr, S1: tl.constexpr):

@@ -31,7 +31,7 @@ from triptych.kernels.triton.common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])  # (per-step width: one compile)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr,
                     scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
                     stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
