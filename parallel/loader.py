@@ -159,7 +159,7 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
                   ) -> tuple[ModelRunner, int]:
     """Rank 0's runner and the group's agreed number of KV blocks: from the knobs, or (CUDA,
     neither num_kv_blocks nor kv_cache_memory) by a profile run on a small cache, whose
-    measurements size the real one (``_size_by_profile``)."""
+    measurements size the real one (``size_by_profile``)."""
     from triptych.kernels import get_ops
     from triptych.models.tp_plan import local_kv_heads
 
@@ -182,7 +182,7 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
         logger.info("decode steps run eagerly: %s", graphs.reason)
     if profile:
         assert meter is not None, "a profile run measures CUDA memory"
-        num_blocks = _size_by_profile(config, m, runner, group, meter, pool, graphs)
+        num_blocks = size_by_profile(config, m, runner, group, meter, pool, graphs)
     if m.device.type == "cuda":  # the kernel variants of the first requests, compiled now
         warm_up(runner, num_blocks, config.block_size, m.max_model_len, text_token(m.shape))
     if graphs.enabled:  # over the real cache (the trial capture of the sizing was freed)
@@ -209,7 +209,7 @@ def _profile_image(config: EngineConfig, m: LoadedModel, pool: str = "") -> MMIt
     return largest_image(config.model, m.hf_config, max_image_tokens(config, m.max_model_len))
 
 
-def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
+def size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
                      group: TPGroup | None, meter: ProfileMeter, pool: str,
                      graphs: GraphPlan | None = None) -> int:
     """One step at the limits on the small cache, then the real cache from the share: the
