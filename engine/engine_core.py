@@ -104,6 +104,9 @@ class EngineCore:
         want = config.async_scheduling
         self.async_scheduling = self.runner.supports_async and (
             want if want is not None else self.device.type == "cuda")
+        if want and not self.runner.supports_async:
+            logger.info("async scheduling is off: a tensor-parallel group's ranks take each "
+                        "step's token ids from rank 0's host arrays")
         self._inflight: Any = None  # the step whose ids are not read yet (async)
         self.num_ordered_steps = 0  # async steps whose sampling waited for the previous step
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "

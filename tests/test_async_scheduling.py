@@ -139,3 +139,24 @@ def test_engine_steps_end_with_nothing_in_flight_for_a_live_request(tiny_qwen2_v
     core = llm.engine.core
     assert not core.scheduler.requests and not core.kv.req_blocks
     llm.close()
+
+
+def test_the_cuda_path_with_graph_replays_gives_the_synchronous_ids(tiny_qwen2_vl):
+    """The CUDA engine's path (engine/rehearsal.py: Triton under the interpreter, logits and
+    the device sampler, packed staging) with decode steps replayed through the graph
+    runner: the token in flight is written into the step's staged inputs on the device and
+    copied into the graph's persistent buffers from there. Same ids as synchronous eager."""
+    from triptych.engine.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+
+    prompts = _prompts(4)
+    sp = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(4)]
+    got = {}
+    for mode, graphs in ((False, None), (True, [1, 2, 4])):
+        llm = _engine(tiny_qwen2_vl, mode, **REHEARSAL_KNOBS)
+        rehearse_cuda(llm.engine.core, graphs)
+        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        runner = llm.engine.core.runner
+        if graphs:
+            assert runner.graphs.num_replays > 0 and runner.num_inputs_from_device > 0
+        llm.close()
+    assert got[True] == got[False]

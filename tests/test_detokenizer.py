@@ -99,7 +99,7 @@ def test_outputs_carry_deltas_not_copies_of_the_whole_output(tok):
         (out,), _ = op.process([EngineCoreOutput(
             "r", [t], [{t: -0.5, 0: -3.0}], "length" if k == len(ids) - 1 else None)])
         c = out.outputs[0]
-        assert c.token_ids_delta == [t] and list(c.logprobs[-1]) == [t, 0]
+        assert c.token_ids_delta == [t] and [list(d) for d in c.logprobs_delta] == [[t, 0]]
         seen += c.token_ids_delta
         deltas.append(c.text_delta)
         lists.add((id(c.token_ids), id(c.logprobs)))
