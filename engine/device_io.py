@@ -122,7 +122,9 @@ class StepStaging:
         if not self.pack:  # the CPU reads the host arrays where they are
             return [a if isinstance(a, torch.Tensor) else
                     torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        raw = [_bytes(a) for a in arrays]
+        # (``held`` keeps every contiguous copy alive while its bytes are read by address)
+        held = [a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in arrays]
+        raw = [_bytes(a) for a in held]
         offsets, end = _layout([r.nbytes for r in raw])
         i, self._turn = self._turn, self._turn ^ 1
         done = self._copied[i]
@@ -143,11 +145,12 @@ class StepStaging:
 
 
 def _bytes(a: np.ndarray | torch.Tensor) -> np.ndarray:
-    """The bytes of a host array or tensor, flat, as numpy uint8 (no copy when contiguous)."""
-    if isinstance(a, torch.Tensor):  # (by address, like the buffers: host memory)
-        t = a.detach().contiguous()
-        n = t.numel() * t.element_size()
-        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(t.data_ptr())) \
+    """The bytes of a host array or a contiguous host tensor, flat, as numpy uint8 (no
+    copy; a tensor's by address, like the buffers': the caller keeps it alive)."""
+    if isinstance(a, torch.Tensor):
+        assert a.is_contiguous()
+        n = a.numel() * a.element_size()
+        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a.data_ptr())) \
             if n else np.empty(0, dtype=np.uint8)
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 

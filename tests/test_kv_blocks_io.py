@@ -18,8 +18,9 @@ def _round_trip(runner, gen) -> None:
     k = runner.kv_caches[0][0]
     n_blocks = k.shape[0]
     ids = torch.randperm(n_blocks, generator=gen)[:5].tolist()
-    kv = torch.randn((len(runner.kv_caches), 2, len(ids), *k.shape[1:]), generator=gen
-                     ).to(k.dtype)
+    # a strided view (what a transport may hand over): its bytes are packed, not assumed
+    kv = torch.randn((len(runner.kv_caches), 2, 2 * len(ids), *k.shape[1:]), generator=gen
+                     ).to(k.dtype)[:, :, ::2]
     others = [i for i in range(n_blocks) if i not in ids][:3]
     before = runner.read_blocks(others).clone()
     runner.write_blocks(ids, kv)
