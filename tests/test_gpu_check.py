@@ -40,7 +40,8 @@ def test_the_cheap_steps_run_end_to_end(tmp_path):
     assert [r["batch"] for r in floor["rows"]] == [1, 8, 64, 256]
     assert floor["graphs"].startswith("skipped")  # no CUDA here: eager only, with the reason
     decode = json.loads((tmp_path / "decode.json").read_text())
-    assert all(r["tok_s"] > 0 and "of_eager_floor" in r for r in decode["rows"])
+    assert all(r["tok_s"] > 0 for r in decode["rows"])
+    assert all("of_eager_floor" in r for r in decode["rows"] if r["batch"] == 1)
     assert [r["mode"] for r in decode["rows"]] == ["eager"] * 2 + ["graphs"] * 2
     assert all(r["async"] and 0 < r["host_ms"] <= r["step_ms"] for r in decode["rows"])
     # started as a CUDA engine: sized by a profile run (with a trial capture), warmed up,
