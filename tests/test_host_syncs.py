@@ -106,7 +106,7 @@ def workload(llm: LLM, seed: int = 0) -> list[list[int]]:
     conv = chat("What is in this picture?", image(seed + 7, 112, 84))
     outs = [o.outputs[0].token_ids for o in llm.chat([conv, conv], [plain[0], fancy],
                                                      use_tqdm=False)]
-    words = "the cat sat on a mat and looked at the dog".split(" ")
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "the", "dog"]
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(2 + 9 * i)) for i in range(5)]
     return outs + [o.outputs[0].token_ids for o in llm.generate(
         prompts, plain + [fancy], use_tqdm=False)]

@@ -179,6 +179,6 @@ def test_prompt_logprobs_prompts_come_in_bounded_chunks():
         r = Request("p", list(range(2 * C + 5)), SamplingParams(max_tokens=2, prompt_logprobs=1))
         s.add_request(r)
         s.add_request(req("q", 3 * C))  # a neighbour without them fills the rest
-        got = [dict((x.request_id, n) for x, n in s.schedule().scheduled) for _ in range(3)]
+        got = [{x.request_id: n for x, n in s.schedule().scheduled} for _ in range(3)]
         assert got[0] == {"p": C, "q": 3 * C}
         assert got[1]["p"] == C and got[2]["p"] == 5 and got[2]["q"] == 1
