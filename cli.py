@@ -173,7 +173,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True,
         flags = FLAG_SPELLINGS.get(f.name, ("--" + f.name.replace("_", "-"),))
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helps.get(f.name, "")}
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or f.name == "async_scheduling":  # (bool | None: None is "auto")
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif hint is int or f.name in ("max_model_len", "num_kv_blocks", "cpu_threads",
                                        "max_cudagraph_capture_size") or \

@@ -7,6 +7,7 @@ and, for HF parity, in fp32 with TF32 off on both sides.
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl")
@@ -111,6 +112,8 @@ def step_attn(ctx: Any) -> None:
                                           "--contexts", "4096,32768"]
     subprocess.run(cmd, check=True)
     res = json.loads(rows_path.read_text())
+    res["sdpa_new_shapes"] = sdpa_new_shapes() if ctx.device == "cuda" else \
+        "skipped: needs CUDA"
     dec = [r for r in res["rows"] if r["kernel"] == "decode"]
     vs = {r["kernel"]: r["torch_us"] / r["triton_us"] for r in res["rows"]
           if r["kernel"] != "decode" and r["torch_us"]}
@@ -120,7 +123,48 @@ def step_attn(ctx: Any) -> None:
              ">= 85% at batch >= 64 (issue 33)", **res,
              summary="decode, % of copy bandwidth: " + ", ".join(
                  f"b{r['batch']} x {r['ctx']} {r['pct_floor']:.0f}%" for r in dec)
-             + "; vs torch: " + ", ".join(f"{k} {v:.2f}x" for k, v in vs.items()))
+             + "; vs torch: " + ", ".join(f"{k} {v:.2f}x" for k, v in vs.items())
+             + _sdpa_summary(res["sdpa_new_shapes"]))
+
+
+def _sdpa_summary(res: Any) -> str:
+    if not isinstance(res, dict):
+        return ""
+    import statistics
+
+    med = {k: (statistics.median(r["first_ms"] for r in rows),
+               statistics.median(r["repeat_ms"] for r in rows)) for k, rows in res.items()}
+    return "; SDPA on a new length, first call / repeat: " + ", ".join(
+        f"{k} {a:.1f} / {b:.2f} ms" for k, (a, b) in med.items())
+
+
+def sdpa_new_shapes(lengths: tuple[int, ...] = (1000, 1017, 1031, 2048)) -> dict[str, Any]:
+    """Milliseconds of SDPA's first call on a prompt length never seen before, and of a
+    repeat, under the serving order (flash > efficient > math) and under cuDNN alone (which
+    builds a graph per new shape): why the serving path leaves cuDNN out (issue 40 row 6).
+    bf16, 12 heads / 2 KV heads, head dim 128, causal."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triptych.kernels.torch_varlen import SERVING_ORDER
+
+    out: dict[str, Any] = {}
+    for name, order in (("serving", SERVING_ORDER), ("cudnn", [SDPBackend.CUDNN_ATTENTION])):
+        rows = []
+        for i, n in enumerate(lengths):
+            q = torch.randn(1, 12, n + i, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 2, n + i, 128, device="cuda", dtype=torch.bfloat16)
+            times = []
+            for _ in range(2):  # the first call on this shape, then a repeat
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with sdpa_kernel(order):
+                    F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+                torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+            rows.append({"length": n + i, "first_ms": times[0], "repeat_ms": times[1]})
+        out[name] = rows
+    return out
 
 
 def step_parity(ctx: Any) -> None:

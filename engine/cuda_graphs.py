@@ -5,7 +5,8 @@ per padded batch size, replayed with the step's inputs copied into persistent bu
     persistent inputs, rows [0, B): the step's; rows [B, bucket): padding that
         reads token 0 at position 0, writes no KV (slot -1) and attends to nothing
         (length 0: zeros, never 0 / 0; kernels/triton/decode_attention.py)
-    replay -> logits [bucket, vocab] in the graph's own output; rows [0, B) are the step's
+    replay -> hidden states [bucket, hidden] in the graph's own output; rows [0, B) are
+        the step's; the LM head runs after the replay on those B rows only
 
 A captured launch cannot depend on anything that changes between replays: no device value
 is read by the host (engine/device_io.py), the batch size is the bucket's, and the decode
@@ -13,7 +14,10 @@ attention's split count is fixed per bucket (``choose_splits`` at the engine's l
 context). Its partition, which follows this step's longest context, is read by the kernel
 from a persistent device scalar that the step's one copy brings.
 
-Sampling stays outside the graph (it is data-dependent and cheap); steps with prefill rows,
+The graph ends at the hidden states, as vLLM's does: a captured size keeps its output
+alive between replays, and [size, vocab] fp32 logits would hold 0.67 GB at 128 rows, 2.6 GB
+at 256 (vocab 151,936), taken from the KV cache; [size, hidden] holds 1/50 of that. The LM
+head (one GEMM) and sampling run eagerly after the replay. Steps with prefill rows,
 tensor-parallel groups (their all-reduce runs on gloo or between processes) and models
 whose forward reads the device (MoE's expert counts) run eagerly, and the log says why.
 All captured sizes share one memory pool; capture runs largest first, after warm-up.
@@ -122,8 +126,9 @@ class CudaGraphRunner:
         self.num_replays = 0  # decode steps that ran in a graph
 
     def forward(self, size: int) -> torch.Tensor:
-        """The model on the first ``size`` rows of the persistent buffers: logits (what a
-        graph captures; eager on any device, which is how the CPU tests run it)."""
+        """The model on the first ``size`` rows of the persistent buffers: hidden states
+        [size, hidden] (what a graph captures; eager on any device, which is how the CPU
+        tests run it)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             cu_seqlens_q=self.cu_seqlens_q[:size + 1], seq_lens=self.seq_lens[:size],
@@ -131,14 +136,22 @@ class CudaGraphRunner:
             decode_splits=self.splits[size], decode_partition=self.partition)
         ids = self.input_ids[:size]
         with forward_context(ForwardContext(meta, self.kv_caches, self.ops)):
-            hidden = self.model(ids, self.positions[:, :size], self.model.embed_tokens(ids))
-        return self.model.compute_logits(hidden)
+            return self.model(ids, self.positions[:, :size], self.model.embed_tokens(ids))
 
     @torch.inference_mode()
     def capture(self) -> int:
         """Warm up and capture every size, largest first, into one pool; returns the bytes
-        the graphs hold and logs them with the time taken."""
+        the graphs hold and logs them with the time taken.
+
+        Off CUDA (the CPU's rehearsal of the GPU path, engine/rehearsal.py) the same
+        warm-up forwards run and every later "replay" runs ``forward`` eagerly over the
+        same persistent buffers: all but the capture itself."""
         t0 = time.perf_counter()
+        if self.device.type != "cuda":
+            for size in sorted(self.sizes, reverse=True):
+                self.forward(size)
+            self.eager_replay = True
+            return 0
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -186,7 +199,7 @@ class CudaGraphRunner:
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, partition: torch.Tensor, bucket: int) -> torch.Tensor:
         """Copy the step's device inputs into the persistent buffers (padding the rest of
-        the bucket), replay, and return the step's rows of the logits."""
+        the bucket), replay, and return the step's rows of the hidden states."""
         n, w = input_ids.shape[0], meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:, :n].copy_(positions)

@@ -29,15 +29,24 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _window(self, lo: int, hi: int | None = None) -> list[int]:
+        """``(self._ctx + self.ids)[lo:hi]`` without building the whole list (a copy of
+        every id per token would make a long output quadratic)."""
+        n = len(self._ctx)
+        hi = n + len(self.ids) if hi is None else hi
+        if lo >= n:
+            return self.ids[lo - n:hi - n]
+        return self._ctx[lo:hi] + self.ids[:max(0, hi - n)]
+
     def add_token(self, token_id: int) -> str | None:
         """Append one id; return the stop string if the text now contains one."""
         self.ids.append(token_id)
-        all_ids = self._ctx + self.ids
-        prefix = self._decode(all_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(all_ids[self.prefix_offset:])
+        prefix = self._decode(self._window(self.prefix_offset, self.read_offset))
+        full = self._decode(self._window(self.prefix_offset))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(all_ids)
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ctx) + len(self.ids)
             start = max(0, len(self.text) - self._max_stop)
             self.text += new
             return self._find_stop(start)

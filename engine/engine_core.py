@@ -13,6 +13,9 @@ engine never starts processes itself.
                                v
              bisect the batch: re-run halves, keep the results of the halves that work,
              fail only the request(s) that still fail alone (never the bystanders)
+
+    async:   schedule N+1 -> prepare + sample N+1 -> collect N (the wait) -> update N
+             (the device runs N+1 while the host handles N: outputs lag one step)
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from triptych.config import EngineConfig
 from triptych.engine.grammar_compiler import GrammarCompiler
 from triptych.engine.kv_cache_manager import KVCacheManager
 from triptych.engine.loaded_model import LoadedModel
-from triptych.engine.model_runner import ModelRunner, RunnerBroken
+from triptych.engine.model_runner import ModelRunner, RunnerBroken, StepOutput
 from triptych.engine.model_shape import (  # noqa: F401 (ModelShape, resolve_*: re-exported)
     ModelShape,
     kv_block_bytes,
@@ -97,6 +100,16 @@ class EngineCore:
                                         load=lambda: _load_tokenizer(config))
         self.runner.batch.grammars.compile = self.grammars.compile
         self.runner.batch.grammars.budget.fixed_s = config.max_grammar_step_ms / 1000
+        # Async scheduling (vLLM's --async-scheduling): the next step is prepared while the
+        # device runs this one. Default: on CUDA, where there is a device to overlap with.
+        want = config.async_scheduling
+        self.async_scheduling = self.runner.supports_async and (
+            want if want is not None else self.device.type == "cuda")
+        if want and not self.runner.supports_async:
+            logger.info("async scheduling is off: a tensor-parallel group's ranks take each "
+                        "step's token ids from rank 0's host arrays")
+        self._inflight: Any = None  # the step whose ids are not read yet (async)
+        self.num_ordered_steps = 0  # async steps whose sampling waited for the previous step
         logger.info("engine ready: %s on %s (%s, %s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d%s", config.model, self.device, self.dtype,
                     self.attention_backend, self.num_blocks, config.block_size,
@@ -183,27 +196,81 @@ class EngineCore:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """One step: schedule -> run -> update. Returns the outputs and the preempted."""
+        """One step: schedule -> run -> update. Returns the outputs and the preempted.
+
+        With async scheduling the step's forward is launched before the previous step's
+        ids are read, and its outputs are those of the previous step (``_step_async``)."""
         sched = self.scheduler.schedule()
         result = StepResult(preempted=sched.preempted)
+        if self.async_scheduling:
+            result.outputs = self._step_async(sched)
+            return result
         if sched.empty:
             return result
         self.timings.on_step(sched)
+        result.outputs = self._run_sync(sched)
+        return result
+
+    def _run_sync(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         try:
-            sampled, logprobs = self.runner.execute(sched)
-            failed: list[Request] = []
+            out, failed = self.runner.execute(sched), []
         except RunnerBroken:
             raise  # e.g. a tensor-parallel group out of step: the worker stops and restarts
         except Exception:
             logger.exception("a step of %d requests failed; isolating the cause",
                              len(sched.scheduled))
             self.num_failed_steps += 1
-            sched, sampled, logprobs, failed = self._isolate(sched)
+            sched, out, failed = self._isolate(sched)
+        return self._update(sched, out, failed)
+
+    def _step_async(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Async scheduling (vLLM's): while the device runs step N+1, the host reads step
+        N's ids and processes them; the only wait is that read.
+
+            host:   schedule N+1 | prepare N+1 | sample N+1 | collect N (wait) | update N
+            device:   ... N  ...   | forward N+1 ............ sampling N+1 ...
+
+        A step whose sampling needs a token of step N (a grammar or penalised row: its
+        bitmask or counts) samples after collecting N, its bitmask filled while its forward
+        runs. A failed step is isolated synchronously, after N is collected."""
+        prev, self._inflight = self._inflight, None
+        outs: list[EngineCoreOutput] = []
+        if sched.empty:
+            return self._complete(prev) if prev is not None else outs
+        self.timings.on_step(sched)
+        try:
+            pending = self.runner.prepare(sched)
+            if prev is not None and pending.needs_previous:
+                outs, prev = self._complete(prev), None
+                self.num_ordered_steps += 1
+            self._inflight = self.runner.sample(pending)
+        except RunnerBroken:
+            raise
+        except Exception:
+            logger.exception("a step of %d requests failed; isolating the cause",
+                             len(sched.scheduled))
+            self.num_failed_steps += 1
+            self.runner.drop_in_flight(keep=prev)
+            if prev is not None:
+                outs, prev = outs + self._complete(prev), None
+            isolated, out, failed = self._isolate(sched)
+            return outs + self._update(isolated, out, failed)
+        if prev is not None:
+            outs += self._complete(prev)
+        return outs
+
+    def _complete(self, f: Any) -> list[EngineCoreOutput]:
+        """Read an in-flight step's ids (the wait) and apply them."""
+        return self._update(f.sched, self.runner.collect(f), [])
+
+    def _update(self, sched: SchedulerOutput, out: StepOutput, failed: list[Request]
+                ) -> list[EngineCoreOutput]:
+        """A run step's results into the scheduler, as outputs."""
+        sampled, logprobs = out.sampled, out.logprobs
         # a grammar that allowed no token, or that cost more than its share of the step:
         # the token sampled without its mask is not the request's, and it is ended
-        no_way_on = self.runner.batch.grammars.take_dead()
-        dead = [(r, no_way_on[r.request_id]) for r, _ in sched.scheduled
-                if r.request_id in no_way_on and sampled.pop(r.request_id, None) is not None]
+        dead = [(r, out.dead[r.request_id]) for r, _ in sched.scheduled
+                if r.request_id in out.dead and sampled.pop(r.request_id, None) is not None]
         produced = self.scheduler.update_from_output(sched, sampled)
         self.generation_tokens_total += len(produced)
         self.timings.on_step_outputs(produced)
@@ -214,27 +281,27 @@ class EngineCore:
             outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
                                          error="internal error while computing this request"))
         for req, why in dead:
+            if req.finished:
+                continue  # (ended meanwhile)
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             outs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=why))
-        for out in outs:
-            if out.finish_reason is not None:
-                self.runner.sampler.forget(out.request_id)
-        result.outputs = outs
-        return result
+        for o in outs:
+            if o.finish_reason is not None:
+                self.runner.sampler.forget(o.request_id)
+        return outs
 
     def _isolate(self, sched: SchedulerOutput
-                 ) -> tuple[SchedulerOutput, dict[str, int], dict[str, Any], list[Request]]:
+                 ) -> tuple[SchedulerOutput, StepOutput, list[Request]]:
         """Bisect a failed batch: run halves, recurse into the halves that fail. Returns the
-        schedule of the requests that ran, their samples, and the requests failing alone."""
+        schedule of the requests that ran, their results, and the requests failing alone."""
         ok: list[tuple[Request, int]] = []
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, Any] = {}
+        total = StepOutput()
         failed: list[Request] = []
         todo = [sched.scheduled]
         while todo:
             part = todo.pop()
             try:
-                s, lp = self.runner.execute(sched.subset(part))
+                got = self.runner.execute(sched.subset(part))
             except RunnerBroken:
                 raise
             except Exception:
@@ -245,11 +312,12 @@ class EngineCore:
                     todo += [part[half:], part[:half]]
                 continue
             ok += part
-            sampled.update(s)
-            logprobs.update(lp)
+            total.sampled.update(got.sampled)
+            total.logprobs.update(got.logprobs)
+            total.dead.update(got.dead)
         order = {r.request_id: i for i, (r, _) in enumerate(sched.scheduled)}
         ok.sort(key=lambda rn: order[rn[0].request_id])
-        return sched.subset(ok), sampled, logprobs, failed
+        return sched.subset(ok), total, failed
 
     def _output(self, req: Request, logprobs: dict[int, float] | None) -> EngineCoreOutput:
         self.timings.on_token(req)

@@ -39,9 +39,41 @@ class AttentionMetadata:
     # prefix-cache hit, no decode row): attention may run on the step's fresh q/k/v
     # without reading the cache. False (the default) is always safe: the paged path.
     no_cached_prefix: bool = False
+    # A mixed step: its first ``num_decodes`` rows compute one token each (the batch puts
+    # them first) and take the decode kernel as one slice; the rest the prefill path
+    # (``split``). 0: one path for every row (a pure decode step has max_query_len 1).
+    num_decodes: int = 0
     # Per-forward values derived from the fields above (gather indices, masks, rotary
     # cos/sin): built by the first layer that needs them, reused by every other layer.
     plans: dict[str, Any] = field(default_factory=dict)
+
+    def split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """(decode rows, the other rows) of a mixed step as metadata of their own, made
+        once per forward (the prefill rows' cu_seqlens shifted on the device, no read).
+
+            rows:    d d d | p p        cu_seqlens_q: 0 1 2 3 | 9 14
+            decode:  d d d              prefill:      0 6 11  (cu[3:] - 3)
+        """
+        return self.plan("split", self._split)
+
+    def _split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        nd = self.num_decodes
+        assert self.cu_seqlens_q_cpu is not None and self.seq_lens_cpu is not None
+        cu, lens = np.asarray(self.cu_seqlens_q_cpu), np.asarray(self.seq_lens_cpu)
+        dec = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:nd], block_tables=self.block_tables[:nd],
+            cu_seqlens_q=self.cu_seqlens_q[:nd + 1], seq_lens=self.seq_lens[:nd],
+            max_query_len=1, max_seq_len=int(lens[:nd].max()), cu_seqlens_q_cpu=cu[:nd + 1],
+            seq_lens_cpu=lens[:nd], padded=self.padded)
+        pcu = cu[nd:] - nd
+        plens = lens[nd:]
+        pre = AttentionMetadata(
+            slot_mapping=self.slot_mapping[nd:], block_tables=self.block_tables[nd:],
+            cu_seqlens_q=self.cu_seqlens_q[nd:] - nd, seq_lens=self.seq_lens[nd:],
+            max_query_len=int(np.diff(pcu).max()), max_seq_len=int(plens.max()),
+            cu_seqlens_q_cpu=pcu, seq_lens_cpu=plens, padded=self.padded,
+            no_cached_prefix=bool(np.array_equal(np.diff(pcu), plens)))
+        return dec, pre
 
     def plan(self, key: str, build: Callable[[], Any]) -> Any:
         """``build()`` once per forward pass, memoised under ``key``."""

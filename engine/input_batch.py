@@ -21,6 +21,12 @@ token history of penalised requests (engine/penalties.py) follows the same join 
 append events, keyed by request id so that row moves leave it alone. Each row's sampling
 parameters (temperature, top-k, top-p, min-p) are written when its request joins and move
 with the row: a step takes the sampled rows' values with one gather (``sampling``).
+
+A row may have one token in flight (async scheduling: the step that samples it has not
+been read back): ``num_tokens`` counts the known ids only, the step's ``in_flight`` says
+which rows have one more, and its input id (at position ``num_tokens``) is written on the
+device by the runner. The step's rows come decodes first (``decodes_first``), so attention
+can run the decode rows of a mixed step through the decode kernel as one slice.
 """
 from __future__ import annotations
 
@@ -95,8 +101,10 @@ class InputBatch:
         return request_id in self.index
 
     # -- joining and leaving --------------------------------------------------------------
-    def add(self, req: Request, block_ids: list[int]) -> int:
-        """Write a request's row (new, resumed after preemption, or imported with KV)."""
+    def add(self, req: Request, block_ids: list[int], num_computed: int | None = None) -> int:
+        """Write a request's row (new, resumed after preemption, or imported with KV).
+        ``num_computed``: its tokens with KV before this step (default: the request's
+        count; the scheduler counts a scheduled step's tokens as computed already)."""
         assert req.request_id not in self.index, f"{req.request_id} is already in the batch"
         # A fresh matcher with the output so far replayed (first: it may refuse the request)
         self.grammars.add(req)
@@ -112,7 +120,7 @@ class InputBatch:
         self.token_ids[row, :req.num_prompt_tokens] = req.prompt_token_ids
         self.token_ids[row, req.num_prompt_tokens:n] = req.output_token_ids
         self.num_tokens[row] = n
-        self.num_computed[row] = req.num_computed_tokens
+        self.num_computed[row] = req.num_computed_tokens if num_computed is None else num_computed
         self.num_prompt[row] = req.num_prompt_tokens
         self.mrope_delta[row] = req.mrope_delta
         self.num_blocks[row] = 0
@@ -156,6 +164,30 @@ class InputBatch:
             self._move(last, hole)
             last -= 1
         self.num_reqs = len(self.index)
+
+    def decodes_first(self, num_scheduled: np.ndarray) -> None:
+        """Reorder rows ``[0, len)`` so those computing one token come first (vLLM's
+        reorder of the persistent batch): a swap for each decode behind a longer row, none
+        in a steady decode batch. ``num_scheduled`` (per row) is permuted with them."""
+        i, j = 0, len(num_scheduled) - 1
+        while i < j:
+            if num_scheduled[i] == 1:
+                i += 1
+            elif num_scheduled[j] != 1:
+                j -= 1
+            else:
+                self._swap(i, j)
+                num_scheduled[[i, j]] = num_scheduled[[j, i]]
+
+    def _swap(self, a: int, b: int) -> None:
+        self.token_ids[[a, b]] = self.token_ids[[b, a]]
+        self.block_table[[a, b]] = self.block_table[[b, a]]
+        for name in _ROW_ARRAYS:
+            arr = getattr(self, name)
+            arr[[a, b]] = arr[[b, a]]
+        self.reqs[a], self.reqs[b] = self.reqs[b], self.reqs[a]
+        for row in (a, b):
+            self.index[self.reqs[row].request_id] = row
 
     def _move(self, src: int, dst: int) -> None:
         req = self.reqs[src]
@@ -207,14 +239,18 @@ class InputBatch:
             self.token_ids = _grow(self.token_ids, cols=n)
 
     # -- one step -------------------------------------------------------------------------
-    def prepare(self, num_scheduled: np.ndarray) -> StepInputs:
-        """Flat inputs for rows ``[0, B)`` computing ``num_scheduled[row]`` tokens each."""
+    def prepare(self, num_scheduled: np.ndarray, in_flight: np.ndarray | None = None
+                ) -> StepInputs:
+        """Flat inputs for rows ``[0, B)`` computing ``num_scheduled[row]`` tokens each;
+        ``in_flight[row]``: 1 where the row's last token is still on the device (its input
+        id here is a stale value the runner overwrites on the device)."""
         b = len(num_scheduled)
         assert b == self.num_reqs and not self._holes, "condense() before prepare()"
         bs = self.block_size
         n = num_scheduled.astype(np.int64)
         cu = np.cumsum(n)
         start = self.num_computed[:b]
+        self._ensure_tokens(int((start + n).max()) + 1)
         if int(cu[-1]) == b:  # pure decode: one token per row, no repeat needed
             req_idx = np.arange(b)
             pos = start.copy()
@@ -233,7 +269,8 @@ class InputBatch:
                 positions[:, first:first + hi - lo] = req.mrope_positions[:, lo:hi]
         seq_lens = start + n
         max_blocks = int(-(-int(seq_lens.max()) // bs))
-        sample_rows = np.flatnonzero(seq_lens == self.num_tokens[:b])
+        known = self.num_tokens[:b] if in_flight is None else self.num_tokens[:b] + in_flight
+        sample_rows = np.flatnonzero(seq_lens == known)
         logits_index = cu[sample_rows] - 1
         prompt_rows, extra = self._prompt_logprob_rows(start, n, cu)
         if extra:
@@ -281,5 +318,5 @@ class InputBatch:
         for rid, row in self.index.items():
             req = self.reqs[row]
             assert req is not None and req.request_id == rid
-            assert self.num_computed[row] <= self.num_tokens[row]
+            assert self.num_computed[row] <= self.num_tokens[row] + 1  # (+ one in flight)
             assert self.num_blocks[row] * self.block_size >= self.num_computed[row]

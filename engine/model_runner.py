@@ -5,34 +5,58 @@ holds each scheduled request's token ids, counters and block table across steps;
 syncs the batch with the scheduler's decision (join, leave, new blocks), flattens it with
 a few vectorised ops and runs the model once:
 
-    request:        r0 (decode)   r1 (prefill chunk 16..40)       r2 (decode)
-    flat tokens:    [t]           [t t t ... t]  (24)             [t]
-    cu_seqlens_q:   0, 1,                        25,              26
-    seq_lens:       ctx0+1,                      40,              ctx2+1
+    request:        r0 (decode)   r2 (decode)   r1 (prefill chunk 16..40)
+    flat tokens:    [t]           [t]           [t t t ... t]  (24)
+    cu_seqlens_q:   0, 1,         2,                          26
+    seq_lens:       ctx0+1,       ctx2+1,                     40
 
-Rows follow the batch's order, not the scheduler's: outputs are keyed by request id.
-Image placeholder rows of the flat batch are overwritten with vision embeddings taken
-from the encoder runner (a chunk may cover only part of an image's span).
+Rows follow the batch's order (decodes first), not the scheduler's: outputs are keyed by
+request id. Image placeholder rows of the flat batch are overwritten with vision
+embeddings taken from the encoder runner (a chunk may cover only part of an image's span).
+
+A step runs in three calls, so the engine core can overlap the host's work with the
+device's (async scheduling, engine/engine_core.py):
+
+    prepare(out)   -> PendingStep   inputs staged (one copy), the forward and the LM head
+                                    launched; a row whose input is the previous step's
+                                    sampled token takes it from that step's device ids
+    sample(p)      -> InFlight      grammar bitmask, sampling arrays (a second copy only
+                                    when some row needs them), the sampler, then the ids'
+                                    copy to the host started (not waited for)
+    collect(f)     -> StepOutput    the one wait of the step: the ids (and logprobs) read
+
+``execute`` is the three in a row (the synchronous step).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 from triptych.engine.cuda_graphs import CudaGraphRunner
-from triptych.engine.device_io import HostFetch, StepStaging, to_device
+from triptych.engine.device_io import HostFetch, StepStaging, to_device, to_host
 from triptych.engine.encoder_runner import EncoderRunner
 from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.grammar import apply_bitmask
 from triptych.engine.input_batch import InputBatch, StepInputs
 from triptych.engine.platform import sampler_argmax
+from triptych.engine.prompt_logprobs import record_prompt_logprobs
 from triptych.engine.request import MMItem
 from triptych.engine.sampler import Argmax, Sampler, to_output
 from triptych.engine.scheduler import SchedulerOutput
+from triptych.engine.step_state import (
+    NO_ARRAYS,
+    DeviceStep,
+    GreedyIds,
+    InFlight,
+    PendingStep,
+    StepOutput,
+    StepTimes,
+    device_inputs,
+    in_flight_rows,
+)
 
 
 class RunnerBroken(Exception):
@@ -42,48 +66,12 @@ class RunnerBroken(Exception):
     NOTE: not a RuntimeError, which callers catch to retry a request alone."""
 
 
-class StepTimes:
-    """Seconds spent per phase of ``execute`` (summed over steps; read by the profiler)."""
-
-    PHASES = ("inputs", "vision", "forward", "logits", "sampling")
-
-    def __init__(self) -> None:
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-
-    def add(self, marks: list[float]) -> None:
-        for name, a, b in zip(self.PHASES, marks, marks[1:]):
-            self.totals[name] += b - a
-        self.steps += 1
-
-
-@dataclass
-class DeviceStep:
-    """A step's inputs on the device (views of one staged copy) and the metadata that
-    attention reads; ``extra``: the device copies of the extra host arrays staged with it."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [3, T] int64
-    meta: AttentionMetadata
-    logits_index: torch.Tensor | None  # [S + P] int64, None: every row, in order
-    extra: list[torch.Tensor]
-    graph_bucket: int | None = None  # the captured decode graph this step replays
-    graph_partition: torch.Tensor | None = None  # [1] int32: its decode tokens per split
-
-
-class GreedyIds:
-    """run_model's answer when the LM head gave the step's greedy tokens directly (no
-    logits: ``greedy_tokens`` of the model, a CPU fp32 head)."""
-
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-
 class ModelRunner:
     # Plain-greedy steps may take their tokens from the model's ``greedy_tokens`` (the head's
     # argmax, no logits). A tensor-parallel runner gathers vocab slices of the logits, so
     # it turns this off.
     greedy_head = True
+    supports_async = True  # a tensor-parallel runner sends host ids to its ranks: no
 
     def __init__(self, model: Any, encoder: EncoderRunner, *, num_blocks: int, block_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -99,7 +87,11 @@ class ModelRunner:
         # the logits' width (every rank's slices together): the checkpoint's text vocab
         self.vocab_size = vocab_size or _text_config(model).vocab_size
         self.staging = StepStaging(device)  # one host -> device copy per step
+        self.sample_staging = StepStaging(device)  # the sampler's arrays, when a row has any
         self.fetch = HostFetch(device)  # one device -> host copy per step
+        self._last: InFlight | None = None  # the sampled step not collected yet
+        self.num_inputs_from_device = 0  # input ids read from a previous step's device ids
+        self.kv_staging = StepStaging(device)  # KV import's pinned buffer (write_blocks)
         self.batch = InputBatch(block_size)
         self.times = StepTimes()  # cheap (5 clock reads a step); bench --profile reads it
         self.greedy_step = False  # this step's rows all plain greedy (execute sets it)
@@ -117,32 +109,36 @@ class ModelRunner:
                           for _ in range(num_layers)]
 
     def _sync(self, out: SchedulerOutput) -> np.ndarray:
-        """Make the batch hold exactly this step's requests; returns tokens per row.
+        """Make the batch hold exactly this step's requests, decodes first; returns tokens
+        per row.
 
         A row is rewritten when its request is new, is another object under a reused id,
         or its counters disagree with the scheduler's (preempted and resumed, imported
-        with KV, tokens added from outside): the request object is the truth.
+        with KV, tokens added from outside): the request object is the truth. (The
+        scheduler has counted this step's tokens as computed already.)
         """
         batch = self.batch
         scheduled = {r.request_id for r, _ in out.scheduled}
         for rid in [rid for rid in batch.index if rid not in scheduled]:
             batch.remove(rid)  # finished, aborted, preempted, or not scheduled this step
-        for req, _ in out.scheduled:
+        for req, n in out.scheduled:
             rid = req.request_id
             row = batch.index.get(rid)
+            before = req.num_computed_tokens - n
             if row is not None and (batch.reqs[row] is not req
-                                    or batch.num_computed[row] != req.num_computed_tokens
+                                    or batch.num_computed[row] != before
                                     or batch.num_tokens[row] != req.num_tokens):
                 batch.remove(rid)
                 row = None
             if row is None:
-                batch.add(req, out.block_ids[rid])
+                batch.add(req, out.block_ids[rid], num_computed=before)
             else:
                 batch.set_blocks(row, out.block_ids[rid])
         batch.condense()
         num_scheduled = np.zeros(batch.num_reqs, dtype=np.int64)
         for req, n in out.scheduled:
             num_scheduled[batch.index[req.request_id]] = n
+        batch.decodes_first(num_scheduled)
         return num_scheduled
 
     def vision_spans(self, inp: StepInputs, num_scheduled: np.ndarray
@@ -174,7 +170,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.ops, sizes,
                                       max_model_len, block_size, num_kv_heads, head_dim,
                                       self.dtype, self.device)
-        return self.graphs.capture() if self.device.type == "cuda" else 0
+        return self.graphs.capture()
 
     def disable_cuda_graphs(self) -> None:
         """Drop the captured graphs (every step runs eagerly until captured again)."""
@@ -184,8 +180,8 @@ class ModelRunner:
 
     @staticmethod
     def _whole(inp: StepInputs) -> bool:
-        """Every flat row's logits, in order (a decode step): no gather needed.
-        NOTE: prompt_logprobs rows come after the sampled ones: a count is not enough."""
+        """Every flat row's logits, in order (a decode step): no gather needed (NOTE:
+        prompt_logprobs rows come after the sampled ones: a count is not enough)."""
         idx = inp.logits_index
         return len(idx) == len(inp.input_ids) and np.array_equal(idx, np.arange(len(idx)))
 
@@ -204,11 +200,14 @@ class ModelRunner:
         arrays = [inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
                   inp.cu_seqlens_q, inp.seq_lens, *([] if whole else [logits_index]), *extra]
         dev = self.staging.stage(arrays)
+        q_lens = np.diff(inp.cu_seqlens_q)
         meta = AttentionMetadata(
             slot_mapping=dev[2], block_tables=dev[3], cu_seqlens_q=dev[4], seq_lens=dev[5],
             max_query_len=inp.max_query_len, max_seq_len=max_seq_len,
             cu_seqlens_q_cpu=inp.cu_seqlens_q, seq_lens_cpu=inp.seq_lens, padded=False,
-            no_cached_prefix=bool(np.array_equal(np.diff(inp.cu_seqlens_q), inp.seq_lens)))
+            no_cached_prefix=bool(np.array_equal(q_lens, inp.seq_lens)),
+            # rows of one token lead the batch (InputBatch.decodes_first)
+            num_decodes=0 if inp.max_query_len == 1 else int(np.argmax(q_lens != 1)))
         rest = dev[6 if whole else 7:]
         if graph_bucket is not None:
             return DeviceStep(dev[0], dev[1], meta, None, rest[:-1], graph_bucket, rest[-1])
@@ -226,9 +225,11 @@ class ModelRunner:
         if dev.graph_bucket is not None:  # a decode step: replay its captured graph
             assert self.graphs is not None and not spans
             marks.append(time.perf_counter())
-            logits = self.graphs.replay(dev.input_ids, dev.positions, dev.meta,
+            hidden = self.graphs.replay(dev.input_ids, dev.positions, dev.meta,
                                         dev.graph_partition, dev.graph_bucket)
-            marks += [time.perf_counter()] * 2
+            marks.append(time.perf_counter())
+            logits = self.model.compute_logits(hidden)  # (the graph ends at the hidden states)
+            marks.append(time.perf_counter())
             return logits
         embeds = self.model.embed_tokens(dev.input_ids)
         # the model contract: payload rows -> embedding rows (+ whatever else the model
@@ -252,64 +253,108 @@ class ModelRunner:
         marks.append(time.perf_counter())
         return logits
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput
-                ) -> tuple[dict[str, int], dict[str, dict[int, float] | None]]:
-        """Run one step; returns sampled token ids and their logprobs by request id.
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Run one step and wait for it: ``prepare``, ``sample``, ``collect``."""
+        assert self._last is None, "a step is in flight: collect it first"
+        return self.collect(self.sample(self.prepare(out)))
 
-        One copy in (``stage``: inputs + sampling arrays), one copy out (``fetch``: the
-        sampled ids, plus the logprobs asked for)."""
+    @torch.inference_mode()
+    def prepare(self, out: SchedulerOutput) -> PendingStep:
+        """The step's inputs on the device (one copy; tokens of the step in flight taken
+        from its device ids), the vision tower, the forward and the LM head launched."""
         marks = [time.perf_counter()]
         num_scheduled = self._sync(out)
-        inp = self.batch.prepare(num_scheduled)
+        in_flight = in_flight_rows(self.batch, self._last)
+        inp = self.batch.prepare(num_scheduled, in_flight)
         marks.append(time.perf_counter())
         self.greedy_step = self.greedy_head and self._plain_greedy(inp)
-        rows = inp.sample_rows
-        reqs = [self.batch.reqs[r] for r in rows.tolist()]
-        rids = [r.request_id for r in reqs]
-        params = [r.sampling_params for r in reqs]
-        host = None if self.greedy_step or not len(rows) else \
-            self.batch.sampling(rows, self.vocab_size)
-        grammar = self.batch.grammars.fill(rids, self.vocab_size) \
-            if self.batch.grammars and len(rows) else None
-        extra = list(host.arrays) if host is not None else []
-        if grammar is not None:
-            extra += [grammar[0].numpy(), np.array(grammar[1], dtype=np.int64)]
+        rows = inp.sample_rows.tolist()
+        reqs = [self.batch.reqs[r] for r in rows]
         spans = self.vision_spans(inp, num_scheduled)
         bucket = None if self.graphs is None or spans or inp.prompt_rows else \
             self.graphs.bucket(len(inp.input_ids), inp.max_query_len, self._whole(inp))
-        dev = self.stage(inp, extra, bucket)
+        subst = device_inputs(self.batch, self._last, inp, num_scheduled, in_flight)
+        dev = self.stage(inp, subst, bucket)
+        if subst:  # (no read: device ids into device inputs)
+            assert self._last is not None and self._last.ids is not None
+            flat, src = dev.extra[:2]
+            dev.input_ids.index_copy_(0, flat, self._last.ids.index_select(0, src))
+            self.num_inputs_from_device += len(subst[0])
         logits = self.run_model(inp, spans, marks, dev)
-        result: tuple[dict[str, int], dict[str, dict[int, float] | None]] = ({}, {})
-        if isinstance(logits, GreedyIds):  # (the CPU's packed head: ids already on the host)
-            ids = self.fetch.fetch([logits.ids])[0].tolist()
-            for row, tok in zip(rows.tolist(), ids):
-                self.batch.append_token(row, tok)
-            result, logits = (dict(zip(rids, ids)), dict.fromkeys(rids)), None
-        if logits is not None and inp.prompt_rows:
-            self._prompt_logprobs(inp, logits[len(rows):])
+        if isinstance(logits, torch.Tensor) and inp.prompt_rows:
+            # NOTE: reads its own copy now (a step with prompt logprobs waits for its forward)
+            record_prompt_logprobs(self.batch, inp, logits[len(rows):], self.fetch)
             logits = logits[:len(rows)]
-        if logits is not None and len(rows):
+        self.batch.advance(num_scheduled)
+        needs = bool(self.batch.penalties or self.batch.grammars) and any(
+            in_flight[r] and (q.request_id in self.batch.penalties
+                              or q.request_id in self.batch.grammars)
+            for r, q in zip(rows, reqs))
+        return PendingStep(out, reqs, logits, marks, needs)
+
+    @torch.inference_mode()
+    def sample(self, p: PendingStep) -> InFlight:
+        """Sample the step's rows on the device and start the copy of their ids (and
+        logprobs) to the host. The grammar bitmask and the penalties read the batch's
+        tokens: a step whose ``needs_previous`` must come after the previous ``collect``."""
+        reqs, logits = p.reqs, p.logits
+        rids = [r.request_id for r in reqs]
+        batch = self.batch
+        f = InFlight(p.sched, reqs, None, None, None, False)
+        if isinstance(logits, GreedyIds):  # (the CPU's packed head: no logits at all)
+            f.ids = logits.ids.long()
+            f.copy = self.fetch.start([f.ids])
+        elif logits is not None and reqs:
+            rows = np.array([batch.index[rid] for rid in rids], dtype=np.int64)
+            host = None if self.greedy_step else batch.sampling(rows, self.vocab_size)
+            grammar = batch.grammars.fill(rids, self.vocab_size) if batch.grammars else None
+            f.dead = batch.grammars.take_dead()  # (a dead row's matcher is gone already)
+            extra = list(host.arrays) if host is not None else []
+            if grammar is not None:
+                extra += [grammar[0], np.array(grammar[1], dtype=np.int64)]
+            dev = self.sample_staging.stage(extra) if extra else []
             logits = logits.float()
             n_host = len(host.arrays) if host is not None else 0
             if grammar is not None:
-                bitmask, idx = dev.extra[n_host:n_host + 2]
-                logits = apply_bitmask(logits, bitmask, idx)
-            if host is None:  # plain greedy with the logits (no packed head)
-                ids_dev, lp = self.sampler.argmax(logits), None
+                logits = apply_bitmask(logits, dev[n_host], dev[n_host + 1])
+            lp = None
+            if host is None:  # plain greedy
+                f.ids = self.sampler.argmax(logits)
             else:
-                st = self.sampler.bind(host, dev.extra[:n_host], rids, params, self.device)
-                ids_dev, lp = self.sampler.sample(logits, st)
-            got = self.fetch.fetch([ids_dev.to(torch.int32), *(lp or ())])
-            ids = got[0].tolist()
-            res = to_output(ids, tuple(got[1:]) if lp is not None else None, host, params)
-            for row, tok in zip(rows.tolist(), ids):
-                self.batch.append_token(row, tok)
-            result = dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs))
-        self.batch.advance(num_scheduled)
-        marks.append(time.perf_counter())
-        self.times.add(marks)
-        return result
+                params = [r.sampling_params for r in reqs]
+                st = self.sampler.bind(host, dev[:n_host], rids, params, self.device)
+                f.ids, lp = self.sampler.sample(logits, st)
+            f.host, f.has_logprobs = host, lp is not None
+            f.copy = self.fetch.start([f.ids.to(torch.int32), *(lp or ())])
+        self._last = f if f.ids is not None else None
+        p.marks.append(time.perf_counter())
+        self.times.add(p.marks)
+        return f
+
+    def drop_in_flight(self, keep: InFlight | None) -> None:
+        """After a failed ``prepare`` / ``sample``: the step in flight is ``keep`` again
+        (the failed step's half-made record is dropped)."""
+        self._last = keep
+
+    def collect(self, f: InFlight) -> StepOutput:
+        """Wait for the step's ids (the one wait of a step), record them in the batch."""
+        if self._last is f:
+            self._last = None
+        if f.copy is None:
+            return StepOutput(dead=f.dead)
+        got = self.fetch.wait(f.copy)
+        ids = got[0].tolist()
+        params = [r.sampling_params for r in f.reqs]
+        res = to_output(ids, tuple(got[1:]) if f.has_logprobs else None,
+                        f.host if f.host is not None else NO_ARRAYS, params)
+        batch = self.batch
+        for req, tok in zip(f.reqs, ids):
+            row = batch.index.get(req.request_id)
+            if row is not None and batch.reqs[row] is req:  # (it may have left meanwhile)
+                batch.append_token(row, tok)
+        rids = list(f.index)
+        return StepOutput(dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs)),
+                          f.dead)
 
     def _plain_greedy(self, inp: StepInputs) -> bool:
         """Every sampled row is greedy with nothing that reads its logits (no logprobs,
@@ -324,44 +369,22 @@ class ModelRunner:
                 return False
         return True
 
-    def _prompt_logprobs(self, inp: StepInputs, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens this step's logits predict (prompt_logprobs): the
-        top k and the prompt's own token per position, computed on the device and read in
-        one copy."""
-        # logits: [P, vocab], one row per (row, position) of inp.prompt_rows, in order
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        targets = np.concatenate([
-            np.asarray(self.batch.reqs[row].prompt_token_ids[t0 + 1:t0 + 1 + count])
-            for row, t0, count in inp.prompt_rows]).astype(np.int64)
-        k = max(self.batch.reqs[row].sampling_params.prompt_logprobs or 0
-                for row, _, _ in inp.prompt_rows)
-        tgt = to_device(torch.from_numpy(targets), lp.device)
-        tops = lp.topk(max(k, 1), dim=-1)
-        chosen, top_v, top_i = self.fetch.fetch(
-            [lp.gather(1, tgt[:, None])[:, 0], tops.values, tops.indices])
-        off = 0
-        for row, t0, count in inp.prompt_rows:
-            req = self.batch.reqs[row]
-            kk = req.sampling_params.prompt_logprobs or 0
-            for j in range(count):
-                d = dict(zip(top_i[off + j, :kk].tolist(), top_v[off + j, :kk].tolist()))
-                d[int(targets[off + j])] = float(chosen[off + j])
-                req.prompt_logprobs[t0 + 1 + j] = d  # keyed by the token it scores
-            off += count
-
     # -- KV blocks by id (a prefill worker's KVSender, a decode worker's KVReceiver) ---------
+    # NOTE (GPU): no pageable copy, no stream-wide sync. Export: gathered on the device, one
+    # copy into pinned memory, its event waited on. Import: ids and blocks packed into the
+    # import staging's reused pinned buffer, copied once, scattered on the device.
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[num_layers, 2, n, block_size, num_kv_heads, head_dim] host copy of these blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                            for k, v in self.kv_caches]).cpu()
+        idx = to_device(torch.tensor(block_ids, dtype=torch.long), self.device)
+        return to_host(torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                                    for k, v in self.kv_caches]))
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write ``kv`` (``read_blocks``' layout) into these blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for (kc, vc), layer in zip(self.kv_caches, kv):
-            kc.index_copy_(0, idx, layer[0].to(kc.device, kc.dtype))
-            vc.index_copy_(0, idx, layer[1].to(vc.device, vc.dtype))
+        """Write ``kv`` (``read_blocks``' layout, on the host) into these blocks."""
+        idx, data = self.kv_staging.stage([np.asarray(block_ids, dtype=np.int64), kv])
+        for (kc, vc), layer in zip(self.kv_caches, data):
+            kc.index_copy_(0, idx, layer[0].to(kc.dtype))
+            vc.index_copy_(0, idx, layer[1].to(vc.dtype))
 
     @property
     def kv_block_shape(self) -> tuple[int, ...]:
@@ -373,3 +396,4 @@ class ModelRunner:
 def _text_config(model: Any) -> Any:
     config = model.config
     return getattr(config, "text_config", None) or config
+

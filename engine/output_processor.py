@@ -192,16 +192,19 @@ class OutputProcessor:
                 c.detok.add_tokens(c.token_ids)  # the only decode of this completion
                 c.incremental = True
             delta_ids = c.token_ids[c.sent_tokens:]
+            delta_lps = c.logprobs[c.sent_tokens:] if c.want_logprobs else None
             c.sent_tokens = len(c.token_ids)
             finished_now = finished and not c.finish_sent
             c.finish_sent = finished
+            # NOTE: the child's own lists, not copies: a copy per step is quadratic in the
+            # output's length (a 4,000-token page: ~8M element copies, docs/performance.md)
             comps.append(CompletionOutput(
-                index=i, text=c.detok.text, token_ids=list(c.token_ids),
+                index=i, text=c.detok.text, token_ids=c.token_ids,
                 cumulative_logprob=c.cum_logprob if c.want_logprobs else None,
-                logprobs=list(c.logprobs) if c.want_logprobs else None,
+                logprobs=c.logprobs if c.want_logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 text_delta=c.detok.pop_delta(finished) if c.incremental else "",
-                token_ids_delta=delta_ids, finished_now=finished_now))
+                token_ids_delta=delta_ids, logprobs_delta=delta_lps, finished_now=finished_now))
         done = p.finished
         p.metrics.num_generation_tokens = sum(len(c.token_ids) for c in p.children)
         if done:

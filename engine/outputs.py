@@ -33,6 +33,9 @@ class Logprob:
 class CompletionOutput:
     index: int  # which of the n completions
     text: str
+    # NOTE: token_ids and logprobs are the completion's own lists, which grow until it
+    # finishes (no copy per step): a consumer that reads an output later (a queue) sees
+    # tokens of later steps there; token_ids_delta and logprobs_delta are this output's own.
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per output token, when asked for
@@ -40,6 +43,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id / string that ended it
     text_delta: str = ""  # text added since the previous output of this request (streaming)
     token_ids_delta: list[int] = field(default_factory=list)  # ids added since then
+    logprobs_delta: list[dict[int, Logprob]] | None = None  # their logprobs, when asked for
     finished_now: bool = False  # this output is the first to carry its finish_reason
 
     def finished(self) -> bool:

@@ -4,7 +4,10 @@ KV cache (engine/memory.py does the arithmetic). vLLM v1's ``profile_run``, on o
     request 0       the largest image the limits allow, then one text token; the step
                     computes as much of it as the budget leaves (the tower runs over the
                     whole image whatever the chunk)
-    requests 1..S-1 text prompts sharing the rest of max_num_batched_tokens, each ending in
+    request 1       a text prompt asking for prompt_logprobs, as long a chunk as the
+                    scheduler gives one (PROMPT_LOGPROBS_CHUNK): its [chunk, vocab] fp32
+                    logits and their log-softmax, the largest logits a step makes
+    requests 2..S-1 text prompts sharing the rest of max_num_batched_tokens, each ending in
                     this step, so S rows of logits reach the sampler (temperature, top-k,
                     top-p, seeds and logprobs: its largest path)
 
@@ -28,7 +31,7 @@ from triptych.engine.encoder_cache import EncoderCache
 from triptych.engine.memory import MemorySnapshot, Usage, usage_after_profile
 from triptych.engine.request import MMItem, Request
 from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.scheduler import SchedulerOutput
+from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK, SchedulerOutput
 
 PROFILE_ID = "~profile-"  # never a request id of the router or LLM
 MAX_IMAGE_PIXELS = 32_000_000  # api/media/limits.py's max_image_pixels: larger is refused
@@ -101,6 +104,12 @@ def profile_step(config: Any, shape: Any, hf: Any, max_model_len: int,
         prompts.append((ids, [image], min(len(ids), budget - (seqs - 1))))
         budget -= prompts[0][2]
         seqs -= 1
+    plp = min(PROMPT_LOGPROBS_CHUNK, budget - (seqs - 1), max_model_len - 2)
+    with_plp = len(prompts) if seqs > 1 and plp > 0 else -1  # its index in ``prompts``
+    if with_plp >= 0:  # (one more token than the chunk: every position is scored)
+        prompts.append(([text] * (plp + 1), [], plp))
+        budget -= plp
+        seqs -= 1
     for i in range(seqs):
         n = min(budget // seqs + (i < budget % seqs), max_model_len - 2)
         if n > 0:
@@ -109,10 +118,11 @@ def profile_step(config: Any, shape: Any, hf: Any, max_model_len: int,
     next_block = 0
     for i, (ids, items, n) in enumerate(prompts):
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=i, logprobs=5,
-                                max_tokens=1)
+                                max_tokens=1, prompt_logprobs=5 if i == with_plp else None)
         positions, delta = contract.positions(len(ids), items, hf)
         req = Request(f"{PROFILE_ID}{i}", ids, params, items, mrope_positions=positions,
                       mrope_delta=delta)
+        req.num_computed_tokens = n  # (as the scheduler counts a scheduled step)
         blocks = -(-n // config.block_size)
         out.scheduled.append((req, n))
         out.block_ids[req.request_id] = list(range(next_block, next_block + blocks))

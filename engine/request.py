@@ -60,7 +60,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache or being written by a
+    # scheduled step (the scheduler counts a step's tokens when it schedules it)
+    num_output_placeholders: int = 0  # tokens scheduled steps will sample, not yet known
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     # [3, num_prompt_tokens] int64, set on admission; kept as a host array (a tensor given

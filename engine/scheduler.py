@@ -6,6 +6,22 @@ Decodes are served first so long prompts never stall streaming requests; then pa
 prefills; then waiting requests are admitted while budget, seats and blocks last.
 When blocks run out the most recently admitted running request is preempted: its blocks
 are freed and it recomputes from scratch later (prefix caching usually makes that cheap).
+
+Counters move when a step is scheduled, as vLLM v1's: ``num_computed_tokens`` counts the
+tokens whose KV is written or on its way (a scheduled step), and a step that will sample a
+request gives it an output placeholder. So the next step can be scheduled while this one
+runs (async scheduling, engine/engine_core.py): a decode whose last token is still on
+the device is scheduled again at that token's position (the runner takes its value from
+the device), and ``update_from_output`` later fills the placeholder with the token:
+
+    request: 10 prompt tokens, decoding          computed  tokens  placeholders
+    schedule step N   (1 token, samples)             10        10        1
+    schedule step N+1 (the token of N, on device)    11        10        2
+    update N: token t appended                       11        11        1
+    update N+1: u appended (or dropped: N stopped)   11        12        0
+
+A request is not scheduled past what it may still produce (max_tokens, max_model_len
+counting its placeholders); one that stops at step N's token has step N+1's dropped.
 """
 from __future__ import annotations
 
@@ -18,6 +34,8 @@ from triptych.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("triptych.scheduler")
 
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt tokens per step of a request asking prompt_logprobs
+
 
 @dataclass
 class SchedulerOutput:
@@ -28,6 +46,8 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> its KV
     # block table (every block it holds, in order) for each scheduled request
     preempted: list[Request] = field(default_factory=list)  # preempted during this schedule
+    sampling: set[str] = field(default_factory=set)  # request ids this step samples (each
+    # got an output placeholder when scheduled)
 
     @property
     def empty(self) -> bool:
@@ -40,7 +60,8 @@ class SchedulerOutput:
     def subset(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         """The same step for some of its requests (a failed batch is bisected)."""
         return SchedulerOutput(scheduled, sum(n for _, n in scheduled),
-                               {r.request_id: self.block_ids[r.request_id] for r, _ in scheduled})
+                               {r.request_id: self.block_ids[r.request_id] for r, _ in scheduled},
+                               sampling={r.request_id for r, _ in scheduled} & self.sampling)
 
 
 class Scheduler:
@@ -105,11 +126,18 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._tokens_to_compute(req), budget)
+            if n <= 0:
+                continue  # all it may produce is on the device already
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
+                for i, (r, m) in enumerate(scheduled):  # (scheduled earlier in this loop)
+                    if r is victim:
+                        del scheduled[i]
+                        budget += m
+                        break
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -119,7 +147,36 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(scheduled, budget)
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
-        return SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
+        out = SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
+        for req, n in scheduled:  # (vLLM's _update_after_schedule)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples its next token
+                out.sampling.add(req.request_id)
+        return out
+
+    def _tokens_to_compute(self, req: Request) -> int:
+        """Tokens a running request still needs now: its uncomputed ones (placeholders
+        of in-flight steps included), none when those steps already produce all it may
+        (max_tokens, max_model_len) or it hands off after them; prompt-logprobs chunks
+        at most PROMPT_LOGPROBS_CHUNK."""
+        pending = req.num_output_placeholders
+        if pending:
+            sp = req.sampling_params
+            if req.hand_off_after_prefill or \
+                    (sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens) \
+                    or req.num_tokens + pending >= self.max_model_len:
+                return 0
+        return self._chunk(req, req.num_tokens + pending - req.num_computed_tokens)
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> int:
+        """``n`` capped for a prompt whose logprobs are asked: its logits per step, [n,
+        vocab] fp32 (~0.6 GB at 1,024 rows of a 152k vocab), stay what the profile run saw."""
+        if req.sampling_params.prompt_logprobs is not None and \
+                req.num_computed_tokens < req.num_prompt_tokens:
+            return min(n, PROMPT_LOGPROBS_CHUNK)
+        return n
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -127,7 +184,7 @@ class Scheduler:
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt position must be computed
-            n = req.num_tokens - num_hit_tokens
+            n = self._chunk(req, req.num_tokens - num_hit_tokens)
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
@@ -148,6 +205,8 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
+        # NOTE: a token still on the device (a placeholder) is appended when its step
+        # completes; the request is admitted again only after that (not in this schedule)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -163,17 +222,25 @@ class Scheduler:
     # -- after the step ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
-        """Advance counters, append sampled tokens, finish on EOS/stop ids/length.
+        """Fill the step's placeholders with its sampled tokens, publish the blocks whose
+        KV and tokens are known, finish on EOS/stop ids/length. A request that ended while
+        the step ran (a stop at the previous step's token, an abort) drops its token.
 
         Returns the requests that produced a token this step (finished ones included).
         """
         produced = []
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            tok = sampled.get(req.request_id)
+        for req, _ in out.scheduled:
+            rid = req.request_id
+            was_running = req.status == RequestStatus.RUNNING
+            if rid in out.sampling:
+                req.num_output_placeholders -= 1
+            tok = sampled.get(rid)
+            if req.finished:
+                continue  # its token (if any) is not its own any more
+            if was_running:  # (a request preempted meanwhile has no blocks)
+                self.kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
             if tok is None:
-                continue  # a prefill chunk short of the prompt's end
+                continue  # a prefill chunk short of the prompt's end (or a failed row)
             req.output_token_ids.append(tok)
             produced.append(req)
             status = self._check_stop(req, tok)

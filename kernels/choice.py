@@ -10,12 +10,12 @@
                                                                reads nothing back, else loop
 
 "Fresh" attention (no cached prefix, vision): one SDPA call per run of equal-length
-segments (kernels/torch_varlen.py; on CUDA cuDNN first, measured the fastest at head dims
-64/72/80/128 on an H200, docs/performance.md) while a step has at most ``SDPA_MAX_RUNS``
-runs; more runs (many prompts of different lengths, Qwen2.5-VL's windows) go to
-``varlen_attn`` in one launch where it can run them (CUDA, fp16/bf16, head dim <= 256 and
-a multiple of 8, sm80+, GQA only where this torch takes ``enable_gqa``). Every decision
-reads host values only: the step's boundaries, dtypes, the device's capability.
+segments (kernels/torch_varlen.py; on CUDA flash first, then efficient, math: never cuDNN,
+which compiles a graph per new shape) while a step has at most ``SDPA_MAX_RUNS`` runs; more
+runs (many prompts of different lengths, Qwen2.5-VL's windows) go to ``varlen_attn`` in one
+launch where it can run them (CUDA, fp16/bf16, head dim <= 256 and a multiple of 8, sm80+;
+GQA by ``enable_gqa`` where this torch takes it, else with K/V heads repeated). Every
+decision reads host values only: the step's boundaries, dtypes, the device's capability.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from triptych.kernels.torch_varlen import (
 logger = logging.getLogger("triptych.kernels")
 
 # A step with at most this many runs of equal-length segments runs SDPA once per run
-# (cuDNN); more go to varlen_attn in one launch. To be measured on a GPU (the GPU check).
+# (flash); more go to varlen_attn in one launch. To be measured on a GPU (the GPU check).
 SDPA_MAX_RUNS = 4
 
 
@@ -58,8 +58,7 @@ def flash_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (api is not None and q.device.type == "cuda"
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-            and d % 8 == 0 and d <= 256 and (api.gqa or k.shape[1] == q.shape[1])
-            and _cuda_capability(q.device) >= (8, 0))
+            and d % 8 == 0 and d <= 256 and _cuda_capability(q.device) >= (8, 0))
 
 
 def _host_cu(cu_seqlens: torch.Tensor, cu_seqlens_cpu: Any) -> np.ndarray:
@@ -131,11 +130,11 @@ def describe(backend: str, cuda: bool | None = None) -> str:
     if cuda is None:  # (kernels/triton/common.py's interpreting(), without importing triton)
         cuda = os.environ.get("TRITON_INTERPRET") != "1"
     api = varlen_api()
-    order = ("cuDNN > flash > efficient > math" if has_sdpa_priority() else
+    order = ("flash > efficient > math, no cuDNN" if has_sdpa_priority() else
              "torch's order") if cuda else "CPU"
     fresh = f"SDPA per run of equal lengths ({order})"
     if cuda and api is not None:
-        gqa = "GQA" if api.gqa else "no GQA (this torch has no enable_gqa)"
+        gqa = "GQA" if api.gqa else "GQA by repeated K/V heads (this torch has no enable_gqa)"
         fresh += (f", varlen_attn above {SDPA_MAX_RUNS} runs (fp16/bf16, head dim <= 256 "
                   f"and %8, sm80+, {gqa})")
     elif cuda:

@@ -4,10 +4,17 @@ tower's segments (bidirectional). ``kernels/choice.py`` decides which of the two
 
     sdpa_runs     one SDPA call per run of consecutive segments of equal length, each a
                   view of q/k/v (no gather, no padding); GQA through ``enable_gqa`` (K/V
-                  never repeated); on CUDA inside ``sdpa_kernel`` with cuDNN first, then
-                  flash, efficient, math (SDPA takes the first that accepts the inputs)
+                  never repeated); on CUDA inside ``sdpa_kernel`` with flash first, then
+                  efficient, math (SDPA takes the first that accepts the inputs)
     flash_varlen  ``torch.nn.attention.varlen.varlen_attn``: the whole batch in one launch
-                  (torch's FlashAttention-2 varlen), CUDA fp16/bf16
+                  (torch's FlashAttention-2 varlen), CUDA fp16/bf16; GQA by its
+                  ``enable_gqa`` where this torch has it, else K/V heads repeated first
+
+NOTE: cuDNN's SDPA is not in the serving path. It builds a graph per new sequence-length
+shape (~0.4 s each, measured by SGLang; torch's ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` is
+opt-in), so every new prompt length or image size would stall the step that meets it;
+flash and efficient compile nothing at run time. (On an H200 cuDNN was the fastest once
+compiled: the GPU check's attn step measures both, first calls included.)
 
     cu (host):    0      5            12   15   18
     segments:     [  5  ][     7      ][ 3 ][ 3 ]      runs: (5) (7) (3, 3)
@@ -70,7 +77,11 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert api is not None, "flash_varlen without varlen_attn (choice.flash_usable first)"
     kw: dict[str, Any] = dict(api.causal) if causal else {}
     if q.shape[1] != k.shape[1]:
-        kw["enable_gqa"] = True  # (flash_usable allows GQA only where the API takes it)
+        if api.gqa:
+            kw["enable_gqa"] = True
+        else:  # (torch 2.11) K/V repeated to the query heads: one launch all the same
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     return api.fn(q, k, v, cu, cu, max_len, max_len, scale=scale, **kw)
 
@@ -97,18 +108,30 @@ def equal_runs(cu: np.ndarray) -> list[Run]:
             for a, b in zip(firsts, lasts) if lens[a] > 0]
 
 
+def _backend(name: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return getattr(SDPBackend, name)
+
+
+try:  # the SDPA backends the serving path allows, in order (module NOTE: no cuDNN)
+    SERVING_ORDER = [_backend(n) for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")]
+except ImportError:
+    SERVING_ORDER = []
+
+
 @functools.cache
 def _cuda_priority() -> Callable[[], contextlib.AbstractContextManager] | None:
-    """cuDNN, then flash, efficient, math, as ``sdpa_kernel``'s priority (None where this
-    torch cannot order them: SDPA's own order then)."""
+    """Flash, then efficient, math, as ``sdpa_kernel``'s priority and the only backends
+    allowed (no cuDNN: it compiles per new shape, module NOTE); None where this torch
+    cannot order them."""
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
     except ImportError:
         return None
+    order = SERVING_ORDER
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
-        return None
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return lambda: sdpa_kernel(order)  # (these backends only, in torch's own order)
     return lambda: sdpa_kernel(order, set_priority=True)
 
 

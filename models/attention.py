@@ -1,9 +1,18 @@
-"""Paged self-attention for the language model: write new K/V, attend over the cache."""
+"""Paged self-attention for the language model: write new K/V, attend over the cache.
+
+Per phase: a pure decode step runs the decode kernel; a prefill step the fresh q/k/v path
+(no cached prefix, kernels/choice.py) or the paged prefill; a mixed step (chunked prefill
+beside running decodes, the common case under load) runs its decode rows, which the batch
+puts first, through the decode kernel (split-K, one program per KV head group) and the
+rest through the prefill path: a 32K-context decode row is not walked by 64-row tiles.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
-from triptych.engine.forward_context import get_forward_context
+from triptych.engine.forward_context import AttentionMetadata, get_forward_context
 
 
 class PagedAttention(nn.Module):
@@ -31,18 +40,34 @@ class PagedAttention(nn.Module):
         extra = {} if make is None else {"plan": meta.plan(
             "cache", lambda: make(meta.slot_mapping, meta.padded))}
         fn(k, v, k_cache, v_cache, meta.slot_mapping, **extra)
-        bs = k_cache.shape[1]
         # NOTE: the host knows every size a kernel launch needs (max lengths): passed down,
         # so no backend reads a device value back inside the forward.
         if meta.max_query_len == 1:
-            fn = ops.paged_decode_attention
-            make = getattr(fn, "make_plan", None)
-            extra = {"max_seq_len": meta.max_seq_len} if make is None else {
-                "plan": meta.plan("decode", lambda: make(meta.block_tables, meta.seq_lens, bs,
-                                                         meta.max_seq_len))}
-            if meta.decode_splits is not None:  # a CUDA graph's fixed launch (triton)
-                extra.update(num_splits=meta.decode_splits, partition=meta.decode_partition)
-            return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **extra)
+            return self._decode(q, k_cache, v_cache, meta, ops)
+        if meta.num_decodes:  # a mixed step: decode rows (first) through the decode kernel
+            dec, pre = meta.split()
+            nd = meta.num_decodes
+            out = torch.empty_like(q)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, dec, ops)
+            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, pre, ops)
+            return out
+        return self._prefill(q, k, v, k_cache, v_cache, meta, ops)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, ops: Any) -> torch.Tensor:
+        fn = ops.paged_decode_attention
+        make = getattr(fn, "make_plan", None)
+        bs = k_cache.shape[1]
+        extra = {"max_seq_len": meta.max_seq_len} if make is None else {
+            "plan": meta.plan("decode", lambda: make(meta.block_tables, meta.seq_lens, bs,
+                                                     meta.max_seq_len))}
+        if meta.decode_splits is not None:  # a CUDA graph's fixed launch (triton)
+            extra.update(num_splits=meta.decode_splits, partition=meta.decode_partition)
+        return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **extra)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 ops: Any) -> torch.Tensor:
         fresh = ops.varlen_causal_attention
         if fresh is not None and meta.no_cached_prefix:  # (kernels/choice.py: no cache read)
             runs = meta.plan("runs", lambda: fresh.make_plan(meta.cu_seqlens_q_cpu))
@@ -50,6 +75,7 @@ class PagedAttention(nn.Module):
                          cu_seqlens_cpu=meta.cu_seqlens_q_cpu, plan=runs)
         fn = ops.paged_prefill_attention
         make = getattr(fn, "make_plan", None)
+        bs = k_cache.shape[1]
         extra = {"max_query_len": meta.max_query_len} if make is None else {
             "plan": meta.plan("prefill", lambda: make(
                 meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, bs, meta.cu_seqlens_q_cpu,

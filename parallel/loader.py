@@ -54,6 +54,7 @@ from triptych.engine.profile_run import (
     run_profile,
 )
 from triptych.engine.request import MMItem
+from triptych.engine.warmup import warm_up
 from triptych.models.weight_parts import parts_for_pool, weight_bytes
 from triptych.parallel import wire as tp_wire
 from triptych.parallel.group import TPGroup, start_group
@@ -158,7 +159,7 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
                   ) -> tuple[ModelRunner, int]:
     """Rank 0's runner and the group's agreed number of KV blocks: from the knobs, or (CUDA,
     neither num_kv_blocks nor kv_cache_memory) by a profile run on a small cache, whose
-    measurements size the real one (``_size_by_profile``)."""
+    measurements size the real one (``size_by_profile``)."""
     from triptych.kernels import get_ops
     from triptych.models.tp_plan import local_kv_heads
 
@@ -181,30 +182,48 @@ def _model_runner(config: EngineConfig, m: LoadedModel, group: TPGroup | None,
         logger.info("decode steps run eagerly: %s", graphs.reason)
     if profile:
         assert meter is not None, "a profile run measures CUDA memory"
-        num_blocks = _size_by_profile(config, m, runner, group, meter, pool, graphs)
+        num_blocks = size_by_profile(config, m, runner, group, meter, pool, graphs)
+    if m.device.type == "cuda":  # the kernel variants of the first requests, compiled now
+        warm_up(runner, num_blocks, config.block_size, m.max_model_len, text_token(m.shape))
     if graphs.enabled:  # over the real cache (the trial capture of the sizing was freed)
         runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)
     return runner, num_blocks
 
 
-def _profile_image(config: EngineConfig, m: LoadedModel) -> MMItem | None:
+def text_token(shape: ModelShape) -> int:
+    """A token id that is neither an image nor a video placeholder (warm-up prompts)."""
+    return next(t for t in range(3) if t not in (shape.image_token_id, shape.video_token_id))
+
+
+def decodes_only(config: EngineConfig, pool: str) -> bool:
+    """A decode worker beside a prefill pool: it imports its requests' KV and never runs
+    the vision tower or fills an encoder cache (a preempted image request is handed back)."""
+    return pool == "decode" and config.prefill_workers > 0
+
+
+def _profile_image(config: EngineConfig, m: LoadedModel, pool: str = "") -> MMItem | None:
     """The largest image the limits allow, for a worker that runs the vision tower."""
-    if m.weight_parts == "language" or config.limit_mm_per_prompt.get("image", 0) < 1:
+    if m.weight_parts == "language" or config.limit_mm_per_prompt.get("image", 0) < 1 \
+            or decodes_only(config, pool):
         return None
     return largest_image(config.model, m.hf_config, max_image_tokens(config, m.max_model_len))
 
 
-def _size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
+def size_by_profile(config: EngineConfig, m: LoadedModel, runner: ModelRunner,
                      group: TPGroup | None, meter: ProfileMeter, pool: str,
                      graphs: GraphPlan | None = None) -> int:
     """One step at the limits on the small cache, then the real cache from the share: the
     KV blocks of this worker (the smallest any rank's share holds, in a group)."""
     from triptych.models.tp_plan import local_kv_heads
 
-    step = profile_step(config, m.shape, m.hf_config, m.max_model_len, _profile_image(config, m))
+    step = profile_step(config, m.shape, m.hf_config, m.max_model_len,
+                        _profile_image(config, m, pool))
     meter.begin()
     run_profile(runner, step)
-    usage = meter.usage(parse_size(config.encoder_cache_size))
+    usage = meter.usage(0 if decodes_only(config, pool) else parse_size(config.encoder_cache_size))
+    # NOTE: what the profile step's activations left in the caching allocator goes back to
+    # the device before the KV cache is allocated (a worker sharing the GPU starts next)
+    release_device_memory()
     if graphs is not None and graphs.enabled:  # a trial capture on the small cache: what
         # the graphs will hold comes out of the share, then they are freed again
         held = runner.enable_cuda_graphs(graphs.sizes, m.max_model_len)

@@ -22,6 +22,7 @@ import torch
 from triptych.parallel.encoder_data import encode_data_parallel, rank_pixels
 from triptych.parallel.patch_balance import balance_by_patches
 from triptych.parallel import wire as tp_wire
+from triptych.engine.device_io import to_host
 from triptych.engine.input_batch import StepInputs
 from triptych.engine.model_runner import DeviceStep, ModelRunner
 from triptych.parallel.group import TPGroup
@@ -88,12 +89,12 @@ class TPModelRunner(ModelRunner):
             self.group.send(tp_wire.ReadKV(block_ids))
             parts = self.group.ctx.gather(local_blocks(self.kv_caches, block_ids))
             assert parts is not None
-            return torch.cat([parts[r] for r in self._owners()], dim=4).cpu()
+            return to_host(torch.cat([parts[r] for r in self._owners()], dim=4))
 
     # -- rank to rank (parallel/kv.py): groups of the same size ---------------------------
     def local_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[L, 2, n, block_size, rank 0's KV heads, D] host copy (its part of a transfer)."""
-        return local_blocks(self.kv_caches, block_ids).cpu()
+        return to_host(local_blocks(self.kv_caches, block_ids))
 
     def write_local(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write rank 0's heads of a rank-to-rank transfer."""

@@ -383,9 +383,8 @@ def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.Request
         if not c.token_ids_delta and not c.finished_now and not c.text_delta:
             continue  # nothing new (a finish is reported once)
         lps = None
-        if c.logprobs is not None and c.token_ids_delta:
-            lps = [{t: lp.logprob for t, lp in d.items()}
-                   for d in c.logprobs[-len(c.token_ids_delta):]]
+        if c.logprobs_delta and c.token_ids_delta:  # (this output's own: c.logprobs grows)
+            lps = [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs_delta]
         comps.append(wire.CompletionDelta(c.index, c.text_delta, c.token_ids_delta,
                                           c.finish_reason, c.stop_reason, lps))
     plps = None

@@ -7,7 +7,7 @@ one line at start-up.
 On the CPU the SDPA path runs for real and ``varlen_attn`` (CUDA only) is checked through
 a stand-in with torch 2.11's and 2.13's signatures. The CUDA tests (skipped elsewhere, run
 them with ``pytest tests/test_attention_phases.py`` on a GPU) run varlen_attn, SDPA under
-the cuDNN-first priority and the Triton paged prefill's short-chunk tiles against an fp32
+the flash-first priority (no cuDNN) and the Triton paged prefill's short-chunk tiles against an fp32
 reference, with ``torch.cuda.set_sync_debug_mode("error")`` around them.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _stand_in(with_gqa: bool):
              enable_gqa):
         assert cu_seq_q.dtype == torch.int32 and cu_seq_k is cu_seq_q
         assert isinstance(max_q, int) and max_q == max_k
-        assert enable_gqa == (query.shape[1] != key.shape[1])
+        assert enable_gqa == (query.shape[1] != key.shape[1]), "GQA without enable_gqa"
         calls.append(window_size)
         lens = torch.diff(cu_seq_q).tolist()
         return dense(query, key, value, lens, scale, tuple(window_size) == (-1, 0))
@@ -149,7 +149,8 @@ def _stand_in(with_gqa: bool):
 @pytest.mark.parametrize("with_gqa", [True, False], ids=["torch2.13", "torch2.11"])
 def test_varlen_attn_call_for_each_signature(monkeypatch, with_gqa):
     """The call is built from the detected signature: causal as window_size (-1, 0), GQA
-    passed only where the API takes it (else flash_usable refuses GQA), int32 boundaries."""
+    by enable_gqa where the API takes it, else with K/V heads repeated (torch 2.11: still
+    one launch, not an SDPA call per run), int32 boundaries."""
     from torch.nn.attention import varlen
 
     fn, calls = _stand_in(with_gqa)
@@ -159,7 +160,7 @@ def test_varlen_attn_call_for_each_signature(monkeypatch, with_gqa):
         api = torch_varlen.varlen_api()
         assert api is not None and api.gqa == with_gqa
         lens = [3, 8, 5]
-        for h, hkv in ((4, 4), (4, 2)) if with_gqa else ((4, 4),):
+        for h, hkv in ((4, 4), (4, 2)):
             q, k, v, _, cu_t = batch(lens, h, hkv, 16, torch.float32)
             for causal in (True, False):
                 got = torch_varlen.flash_varlen(q, k, v, cu_t.long(), 8, 0.25, causal)
@@ -235,7 +236,7 @@ def test_engine_steps_take_the_fresh_and_the_paged_path(tiny_qwen2_vl):
                          ids=["one", "one-run", "many-runs"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_fresh_attention(d, g, lens, causal):
-    """bf16 on the GPU: SDPA by runs (cuDNN first) for few runs, varlen_attn for many,
+    """bf16 on the GPU: SDPA by runs (flash first) for few runs, varlen_attn for many,
     both against fp32 dense, without a host sync."""
     q, k, v, cu, cu_t = batch(lens, 2 * g, 2, d, torch.bfloat16, "cuda")
     many = len(equal_runs(cu)) > choice.SDPA_MAX_RUNS
@@ -270,3 +271,54 @@ def test_cuda_triton_prefill_short_chunks_after_a_prefix(q_len):
     ref = torch_ref.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt,
                                             cu, sl, d ** -0.5)
     close(got, ref, torch.bfloat16)
+
+
+def test_serving_sdpa_never_takes_cudnn():
+    """cuDNN's SDPA compiles a graph per new sequence-length shape (~0.4 s each): a new
+    prompt length or image size would stall the step that meets it. The serving path's
+    SDPA allows flash, efficient and math only, flash first."""
+    from torch.nn.attention import SDPBackend
+
+    assert torch_varlen.SERVING_ORDER[0] == SDPBackend.FLASH_ATTENTION
+    assert SDPBackend.CUDNN_ATTENTION not in torch_varlen.SERVING_ORDER
+    with torch_varlen._cuda_priority()():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_mixed_steps_run_decode_rows_through_the_decode_kernel(tiny_qwen2_vl):
+    """A prompt admitted beside running decodes (the common step under load): the decode
+    rows, which the batch puts first whatever their order of arrival, take the decode kernel
+    as one slice; the prompt's rows the prefill path (fresh q/k/v here: no cached prefix).
+    Greedy ids equal the torch engine's, where every row of such a step went paged."""
+    from triptych import LLM, SamplingParams
+
+    first = [list(range(10, 40)), list(range(40, 52))]  # 30 + 12 > 32: the second waits
+    late = list(range(60, 70))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    knobs = {"block_size": 4, "kv_cache_memory": "16MiB", "max_num_batched_tokens": 32,
+             "enable_chunked_prefill": False, "max_model_len": 32}
+    llm = LLM(tiny_qwen2_vl, attention_backend="triton", **knobs)
+    ops = llm.engine.core.runner.ops
+    calls: list[tuple[str, int]] = []
+
+    def counted(name, fn):
+        def wrapper(q, *a, **k):
+            calls.append((name, q.shape[0]))
+            return fn(q, *a, **k)
+        wrapper.make_plan = getattr(fn, "make_plan", None)
+        return wrapper
+
+    for name in ("paged_decode_attention", "paged_prefill_attention",
+                 "varlen_causal_attention"):
+        setattr(ops, name, counted(name.split("_")[1], getattr(ops, name)))
+    got = [o.outputs[0].token_ids for o in llm.generate(first + [late], sp, use_tqdm=False)]
+    layers = llm.engine.core.shape.num_layers
+    # step 2: the first prompt decodes (1 row) beside the others' 12 + 10 fresh rows
+    mixed = [i for i in range(len(calls) - 1)
+             if calls[i] == ("decode", 1) and calls[i + 1] == ("causal", 22)]
+    assert len(mixed) == layers, calls[:12]
+    assert ("paged", 23) not in calls  # (the old way: one prefill launch for every row)
+    ref = LLM(tiny_qwen2_vl, attention_backend="torch", **knobs)
+    assert [o.outputs[0].token_ids for o in ref.generate(first + [late], sp,
+                                                        use_tqdm=False)] == got

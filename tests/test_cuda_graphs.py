@@ -89,7 +89,7 @@ def test_graph_path_gives_the_eager_ids(llm, batch):
     runner.disable_cuda_graphs()
     eager = _run(llm, prompts, max_tokens)
     runner.enable_cuda_graphs([1, 2, 4, 8], llm.engine.max_model_len)
-    runner.graphs.eager_replay = True
+    assert runner.graphs.eager_replay  # (no CUDA: capture rehearsed, replays run eagerly)
     try:
         graphed = _run(llm, prompts, max_tokens)
         assert runner.graphs.num_replays > 0, "no decode step took the graph path"
@@ -107,13 +107,25 @@ def test_requests_joining_and_leaving_between_replays(llm):
     runner.disable_cuda_graphs()
     eager = _run(llm, prompts, max_tokens)
     runner.enable_cuda_graphs([1, 2, 4], llm.engine.max_model_len)  # 5-6 rows: eager
-    runner.graphs.eager_replay = True
     try:
         graphed = _run(llm, prompts, max_tokens)
         assert runner.graphs.num_replays > 0
     finally:
         runner.disable_cuda_graphs()
     assert graphed == eager
+
+
+def test_graphs_end_at_the_hidden_states(llm):
+    """What a captured size keeps alive between replays is its output: [size, hidden], not
+    [size, vocab] fp32 logits (2.6 GB at 256 rows of a 151,936-token vocab); the LM head runs
+    after the replay on the step's rows only."""
+    runner = llm.engine.core.runner
+    runner.enable_cuda_graphs([1, 2], llm.engine.max_model_len)
+    try:
+        hidden = runner.graphs.forward(2)
+    finally:
+        runner.disable_cuda_graphs()
+    assert hidden.shape == (2, llm.engine.core.shape.hidden_size)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -125,7 +137,10 @@ def test_captured_graphs_give_the_eager_ids_on_cuda(tiny_qwen2_vl):
         eager = _run(eager_llm, prompts, max_tokens)
     with LLM(tiny_qwen2_vl, device="cuda", dtype="float32", enforce_eager=False,
              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}) as g:
-        assert g.engine.core.runner.graphs is not None
+        graphs = g.engine.core.runner.graphs
+        assert graphs is not None
+        hidden = g.engine.core.shape.hidden_size
+        assert all(o.shape[-1] == hidden for o in graphs.outputs.values())
         got = _run(g, prompts, max_tokens)
         assert g.engine.core.runner.graphs.num_replays > 0
     assert got == eager

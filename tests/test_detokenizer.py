@@ -80,3 +80,29 @@ def test_bulk_decode_equals_incremental_on_random_ids(tok):
         bulk.add_tokens(ids)
         assert bulk.text == one.text, (trial, prompt, ids)
         assert bulk.pop_delta(finished=True) == one.pop_delta(finished=True)
+
+
+def test_outputs_carry_deltas_not_copies_of_the_whole_output(tok):
+    """OutputProcessor (engine/output_processor.py): each step's output carries the ids it
+    adds (and their logprobs as the tail of the list); the whole lists are the completion's
+    own, never a copy per step (that was quadratic in the output's length)."""
+    from triptych.engine.output_processor import OutputProcessor
+    from triptych.engine.outputs import EngineCoreOutput
+    from triptych.engine.sampling_params import SamplingParams
+
+    text = "héllo 日本語 ✓ the quick brown fox"
+    ids = tok.encode(text)
+    op = OutputProcessor(tok)
+    op.add("r", None, tok.encode("prompt"), SamplingParams(max_tokens=len(ids), logprobs=1))
+    seen, lists, deltas = [], set(), []
+    for k, t in enumerate(ids):
+        (out,), _ = op.process([EngineCoreOutput(
+            "r", [t], [{t: -0.5, 0: -3.0}], "length" if k == len(ids) - 1 else None)])
+        c = out.outputs[0]
+        assert c.token_ids_delta == [t] and [list(d) for d in c.logprobs_delta] == [[t, 0]]
+        seen += c.token_ids_delta
+        deltas.append(c.text_delta)
+        lists.add((id(c.token_ids), id(c.logprobs)))
+    assert len(lists) == 1, "a new list per step: the whole output was copied"
+    assert c.token_ids == seen == ids and len(c.logprobs) == len(ids)
+    assert c.text == "".join(deltas) == text

@@ -80,10 +80,12 @@ def test_profile_step_runs_at_the_limits_and_leaves_nothing(tiny_qwen2_vl):
         # the tiny processor's cap: 200704 pixels, 14-pixel patches merged 2 x 2
         assert image is not None and 200 <= image.length <= 256
         step = profile_step(cfg, core.shape, core.hf_config, core.max_model_len, image)
-        (first, n0), *rest = step.scheduled
+        (first, n0), (plp, n1), *rest = step.scheduled
         assert first.mm_items == [image] and n0 == 64 - 7  # the rest: one token each
         assert len(step.scheduled) == 8 and step.num_scheduled_tokens == 64
-        assert all(len(r.prompt_token_ids) == n for r, n in rest)  # each samples this step
+        # one asks for prompt logprobs over its whole chunk; each of the others samples
+        assert plp.sampling_params.prompt_logprobs and len(plp.prompt_token_ids) == n1 + 1
+        assert all(len(r.prompt_token_ids) == n for r, n in rest)
         assert max(b for ids in step.block_ids.values() for b in ids) < profile_blocks(cfg)
         run_profile(core.runner, step)  # the real runner: the tower, the LM, the sampler
         assert len(core.encoder.cache) == 0 and core.encoder.num_items_encoded == 0
@@ -96,12 +98,19 @@ def test_text_only_profile_fills_the_budget(tiny_qwen2_vl):
     from transformers import AutoConfig
     from triptych.config import EngineConfig
     from triptych.engine.model_shape import ModelShape
+    from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK
 
     hf = AutoConfig.from_pretrained(tiny_qwen2_vl, local_files_only=True)
     cfg = EngineConfig(model=tiny_qwen2_vl, max_num_batched_tokens=100, max_num_seqs=7)
     step = profile_step(cfg, ModelShape.from_hf(hf), hf, 512, None)
-    assert [n for _, n in step.scheduled] == [15, 15, 14, 14, 14, 14, 14]
+    # the prompt-logprobs chunk takes what the 6 sampled one-token prompts leave
+    assert [n for _, n in step.scheduled] == [94, 1, 1, 1, 1, 1, 1]
+    assert [r.sampling_params.prompt_logprobs for r, _ in step.scheduled] == [5] + [None] * 6
     assert all(not r.mm_items for r, _ in step.scheduled)
+    big = EngineConfig(model=tiny_qwen2_vl, max_num_batched_tokens=8192, max_num_seqs=256)
+    step = profile_step(big, ModelShape.from_hf(hf), hf, 4096, None)
+    assert step.scheduled[0][1] == PROMPT_LOGPROBS_CHUNK and len(step.scheduled) == 256
+    assert step.num_scheduled_tokens == 8192
 
 
 def test_del_frees_the_in_process_engine(tiny_qwen2_vl):

@@ -203,3 +203,18 @@ def test_cpu_workers_start_at_once():
         assert all("gpu_memory_utilization" not in layout.worker_knobs(w.pool) for w in ws)
     finally:
         _stop(sup)
+
+
+def test_decode_workers_beside_a_prefill_pool_budget_no_encoder_or_tower():
+    """A decode worker of P+D imports its requests' KV: it never runs the vision tower nor
+    fills an encoder cache, so its KV sizing takes neither out of its share."""
+    from types import SimpleNamespace
+
+    from triptych.parallel.loader import _profile_image, decodes_only
+
+    pd = EngineConfig(model="m", prefill_workers=1, decode_workers=1)
+    epd = EngineConfig(model="m", encode_workers=1, decode_workers=1)
+    assert decodes_only(pd, "decode") and not decodes_only(pd, "prefill")
+    assert not decodes_only(epd, "decode")  # E+PD: its decode workers prefill too
+    m = SimpleNamespace(weight_parts="all")
+    assert _profile_image(pd, m, "decode") is None

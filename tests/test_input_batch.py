@@ -113,3 +113,26 @@ def test_imported_and_resumed_requests_with_image_positions():
     assert flat[:, 12:].tolist() == [[12 + res.mrope_delta, 13 + res.mrope_delta]] * 3
     assert inp.input_ids[1:].tolist() == res.prompt_token_ids + [5, 6]
     assert inp.sample_rows.tolist() == [0, 1]
+
+
+def test_decodes_come_first_with_their_rows():
+    """A mixed step's rows of one token are moved before the longer ones (one swap each),
+    every array of a row moving with it, so attention runs them as one leading slice; the
+    flat inputs are the same tokens, decodes first."""
+    b = InputBatch(BS)
+    spec = {"a": (9, 0), "b": (6, 5), "c": (7, 0), "d": (3, 2)}  # prompt tokens, computed
+    for rid, (n, c) in spec.items():
+        b.add(req(rid, n, computed=c), list(range(10 * len(b), 10 * len(b) + 3)))
+    n_sched = np.array([9, 1, 7, 1])  # a, c: whole prompts; b, d: one token each
+    b.decodes_first(n_sched)
+    assert list(rows(b)) == ["d", "b", "c", "a"] and n_sched.tolist() == [1, 1, 7, 9]
+    b.check_integrity()
+    assert b.block_table[0, :3].tolist() == [30, 31, 32] and b.num_computed[0] == 2
+    inp = b.prepare(n_sched)
+    assert inp.input_ids[:2].tolist() == [402, 205]  # d's 3rd and b's 6th prompt token
+    assert inp.cu_seqlens_q.tolist() == [0, 1, 2, 9, 18]
+    steady = n_sched.copy()
+    steady[:] = 1
+    before = rows(b)
+    b.decodes_first(steady)
+    assert rows(b) == before  # nothing to move in a pure decode step

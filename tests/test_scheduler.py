@@ -20,8 +20,7 @@ def req(rid: str, n: int, max_tokens: int = 8, first: int = 0) -> Request:
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled
-               if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: token for r, n in out.scheduled if r.request_id in out.sampling}
     s.update_from_output(out, sampled)
     return [(r.request_id, n) for r, n in out.scheduled], out
 
@@ -165,3 +164,21 @@ def test_preemption_warning_names_the_knobs(caplog):
     for knob in ("kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
                  "max_num_batched_tokens"):
         assert knob in msgs[0]
+
+
+def test_prompt_logprobs_prompts_come_in_bounded_chunks():
+    """A prompt whose logprobs are asked makes [tokens, vocab] fp32 logits in its step
+    (~3 GB for 2,048 tokens of a 152k vocab): it is given at most PROMPT_LOGPROBS_CHUNK
+    tokens a step (chunked prefill off or not), what the profile run measures."""
+    from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK as C
+
+    for chunked in (True, False):
+        kv = KVCacheManager(2000, 4, False)
+        s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=4 * C, max_model_len=8 * C,
+                      enable_chunked_prefill=chunked)
+        r = Request("p", list(range(2 * C + 5)), SamplingParams(max_tokens=2, prompt_logprobs=1))
+        s.add_request(r)
+        s.add_request(req("q", 3 * C))  # a neighbour without them fills the rest
+        got = [{x.request_id: n for x, n in s.schedule().scheduled} for _ in range(3)]
+        assert got[0] == {"p": C, "q": 3 * C}
+        assert got[1]["p"] == C and got[2]["p"] == 5 and got[2]["q"] == 1

@@ -52,11 +52,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
                   {"slot_mapping": slot_mapping})
     check_cache(fn, k_cache, v_cache)
     require(key.dim() == 3 and value.shape == key.shape,
-            f"{fn}: key {tuple(key.shape)} / value {tuple(value.shape)} must be [T, Hkv, D]")
+            lambda: f"{fn}: key {tuple(key.shape)} / value {tuple(value.shape)} must be [T, Hkv, D]")
     t, hkv, d = key.shape
     require(k_cache.shape[2:] == (hkv, d),
-            f"{fn}: cache heads {tuple(k_cache.shape[2:])} differ from key's {(hkv, d)}")
-    require(slot_mapping.shape == (t,), f"{fn}: slot_mapping must be [{t}]")
+            lambda: f"{fn}: cache heads {tuple(k_cache.shape[2:])} differ from key's {(hkv, d)}")
+    require(slot_mapping.shape == (t,), lambda: f"{fn}: slot_mapping must be [{t}]")
     if t == 0:
         return
     key, value = _rows(key), _rows(value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -36,18 +37,35 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def require(cond: bool, msg: str) -> None:
-    """Wrapper checks raise (not assert: they must survive ``python -O``)."""
+def require(cond: bool, msg: str | Callable[[], str]) -> None:
+    """Wrapper checks raise (not assert: they must survive ``python -O``). ``msg``: a
+    string, or a function that builds it: an f-string of shapes costs microseconds, paid
+    on every launch when it is an argument (~2 ms of host time per eager decode step at 28
+    layers, docs/performance.md), and only on failure when it is a lambda."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def check_tensors(fn: str, floats: dict[str, torch.Tensor],
                   ints: dict[str, torch.Tensor] | None = None) -> None:
     """Same device for all; float tensors fp16/bf16/fp32 with a unit last stride; index
-    tensors int32/int64. The device must be CUDA, or CPU under the interpreter."""
-    ints = ints or {}
+    tensors int32/int64. The device must be CUDA, or CPU under the interpreter.
+
+    NOTE: one pass of plain comparisons; the message is built only when one fails."""
     dev = next(iter(floats.values())).device
+    ok = dev.type == "cuda" or interpreting()
+    for t in floats.values():
+        ok = ok and t.device == dev and t.dtype in FLOAT_DTYPES and (
+            t.dim() == 0 or t.stride(-1) == 1 or t.numel() == 0)
+    for t in (ints or {}).values():
+        ok = ok and t.device == dev and t.dtype in INDEX_DTYPES
+    if not ok:
+        _explain(fn, dev, floats, ints or {})
+
+
+def _explain(fn: str, dev: torch.device, floats: dict[str, torch.Tensor],
+             ints: dict[str, torch.Tensor]) -> None:
+    """Raise the first failing check of ``check_tensors`` by name."""
     for name, t in {**floats, **ints}.items():
         require(t.device == dev, f"{fn}: {name} is on {t.device}, expected {dev}")
     for name, t in floats.items():
@@ -57,19 +75,19 @@ def check_tensors(fn: str, floats: dict[str, torch.Tensor],
                 f"{fn}: {name} must have a contiguous last dimension")
     for name, t in ints.items():
         require(t.dtype in INDEX_DTYPES, f"{fn}: {name} has dtype {t.dtype}; expected int32/int64")
-    require(dev.type == "cuda" or interpreting(),
-            f"{fn}: Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    require(False, f"{fn}: Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU "
+                   "tensors")
 
 
 def check_cache(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Paged KV layout: [num_blocks, block_size, Hkv, D] each, same shape, contiguous."""
-    require(k_cache.dim() == 4, f"{fn}: k_cache must be [num_blocks, block_size, Hkv, D], "
+    require(k_cache.dim() == 4, lambda: f"{fn}: k_cache must be [num_blocks, block_size, Hkv, D], "
             f"got {tuple(k_cache.shape)}")
     require(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype,
-            f"{fn}: v_cache {tuple(v_cache.shape)}/{v_cache.dtype} differs from k_cache "
+            lambda: f"{fn}: v_cache {tuple(v_cache.shape)}/{v_cache.dtype} differs from k_cache "
             f"{tuple(k_cache.shape)}/{k_cache.dtype}")
     require(k_cache.is_contiguous() and v_cache.is_contiguous(),
-            f"{fn}: k_cache/v_cache must be contiguous")
+            lambda: f"{fn}: k_cache/v_cache must be contiguous")
 
 
 def pad_dim(d: int) -> int:

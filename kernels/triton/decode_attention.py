@@ -39,7 +39,9 @@ MAX_PARTITION = 4096  # tokens: a long sequence among short ones is not left as 
 S_BLOCK = 16  # splits merged per step of the reduce kernel
 
 
-@triton.jit
+# NOTE: ints that change from step to step are not specialised on (== 1, % 16): each value
+# class would be another compile, met first by some request (issue 40 row 9)
+@triton.jit(do_not_specialize=["partition", "num_splits", "stride_btb"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr,
                          part_out_ptr, part_m_ptr, part_l_ptr, scale, partition, part_ptr,
                          num_splits, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -94,7 +96,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
                  mask=mask_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition", "num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
                           partition, part_ptr, num_splits, stride_ob, stride_oh,
                           D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr,
@@ -193,14 +195,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_tensors(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache},
                   {"block_tables": block_tables, "seq_lens": seq_lens})
     check_cache(fn, k_cache, v_cache)
-    require(q.dim() == 3, f"{fn}: q must be [B, H, D], got {tuple(q.shape)}")
+    require(q.dim() == 3, lambda: f"{fn}: q must be [B, H, D], got {tuple(q.shape)}")
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    require(q.dtype == k_cache.dtype, f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
+    require(q.dtype == k_cache.dtype, lambda: f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
     require(k_cache.shape[3] == d and h % hkv == 0,
-            f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+            lambda: f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     require(block_tables.dim() == 2 and block_tables.shape[0] == b and seq_lens.shape == (b,),
-            f"{fn}: block_tables {tuple(block_tables.shape)} / seq_lens "
+            lambda: f"{fn}: block_tables {tuple(block_tables.shape)} / seq_lens "
             f"{tuple(seq_lens.shape)} do not match batch {b}")
     out = torch.empty_like(q)
     if b == 0:
@@ -211,7 +213,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     in_memory = num_splits is not None
     if in_memory:
         require(partition is not None and partition.numel() == 1 and num_splits >= 1,
-                f"{fn}: num_splits needs partition (a 1-element device tensor)")
+                lambda: f"{fn}: num_splits needs partition (a 1-element device tensor)")
         splits, part = num_splits, 0
     else:
         max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
@@ -219,7 +221,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part = choose_partition(b, hkv, max_len, block_n, num_sms(q.device))
         else:
             require(partition_size > 0 and partition_size % 16 == 0,
-                    f"{fn}: partition_size must be a positive multiple of 16")
+                    lambda: f"{fn}: partition_size must be a positive multiple of 16")
             part = partition_size
             while part % block_n:
                 block_n //= 2

@@ -42,9 +42,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         floats["residual"] = residual
     check_tensors(fn, floats)
     require(x.dim() >= 1 and weight.shape == (x.shape[-1],),
-            f"{fn}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+            lambda: f"{fn}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     require(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype),
-            f"{fn}: residual must match x in shape and dtype")
+            lambda: f"{fn}: residual must match x in shape and dtype")
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()  # [T, N]
     out = torch.empty_like(x2)
@@ -59,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, res_out.view(x.shape))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (tokens per step: one compile for every T)
 def _mrope_kernel(x_ptr, o_ptr, pos_ptr, cache_ptr, T, stride_t, stride_h, NH: tl.constexpr,
                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, NH_PAD: tl.constexpr,
                   S0: tl.constexpr, S1: tl.constexpr):
@@ -94,13 +94,13 @@ def apply_mrope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     check_tensors(fn, {"q": q, "k": k, "cos_sin_cache": cos_sin_cache},
                   {"positions": positions})
     require(q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0]
-            and k.shape[2] == q.shape[2], f"{fn}: q {tuple(q.shape)} / k {tuple(k.shape)}")
+            and k.shape[2] == q.shape[2], lambda: f"{fn}: q {tuple(q.shape)} / k {tuple(k.shape)}")
     t, _, d = q.shape
-    require(positions.shape == (3, t), f"{fn}: positions must be [3, {t}]")
+    require(positions.shape == (3, t), lambda: f"{fn}: positions must be [3, {t}]")
     require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d,
-            f"{fn}: cos_sin_cache must be [max_pos, {d}]")
+            lambda: f"{fn}: cos_sin_cache must be [max_pos, {d}]")
     require(len(mrope_section) == 3 and sum(mrope_section) == d // 2,
-            f"{fn}: mrope_section {mrope_section} must be 3 ints summing to {d // 2}")
+            lambda: f"{fn}: mrope_section {mrope_section} must be 3 ints summing to {d // 2}")
     pos = positions.contiguous()
     cache = cos_sin_cache.contiguous()
     outs = []

@@ -31,7 +31,7 @@ from triptych.kernels.triton.common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])  # (per-step width: one compile)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr,
                     scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb,
                     stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
@@ -145,16 +145,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                   {"block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
                    "seq_lens": seq_lens})
     check_cache(fn, k_cache, v_cache)
-    require(q.dim() == 3, f"{fn}: q must be [T, H, D], got {tuple(q.shape)}")
+    require(q.dim() == 3, lambda: f"{fn}: q must be [T, H, D], got {tuple(q.shape)}")
     t, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     b = seq_lens.shape[0]
-    require(q.dtype == k_cache.dtype, f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
+    require(q.dtype == k_cache.dtype, lambda: f"{fn}: q is {q.dtype} but the cache is {k_cache.dtype}")
     require(k_cache.shape[3] == d and h % hkv == 0,
-            f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+            lambda: f"{fn}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     require(seq_lens.dim() == 1 and cu_seqlens_q.shape == (b + 1,)
             and block_tables.dim() == 2 and block_tables.shape[0] == b,
-            f"{fn}: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
+            lambda: f"{fn}: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
             f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} disagree on B")
     out = torch.empty_like(q)
     if t == 0 or b == 0:
@@ -182,10 +182,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fn = "varlen_attention"
     check_tensors(fn, {"q": q, "k": k, "v": v}, {"cu_seqlens": cu_seqlens})
     require(q.dim() == 3 and k.shape == v.shape == q.shape,
-            f"{fn}: q/k/v must share one [T, H, D] shape, got {tuple(q.shape)}, "
+            lambda: f"{fn}: q/k/v must share one [T, H, D] shape, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}")
-    require(k.dtype == v.dtype == q.dtype, f"{fn}: q/k/v dtypes differ")
-    require(cu_seqlens.dim() == 1, f"{fn}: cu_seqlens must be [N+1]")
+    require(k.dtype == v.dtype == q.dtype, lambda: f"{fn}: q/k/v dtypes differ")
+    require(cu_seqlens.dim() == 1, lambda: f"{fn}: cu_seqlens must be [N+1]")
     t, h, d = q.shape
     if q.stride() != k.stride() or q.stride() != v.stride():
         # One set of strides serves q, k and v (they usually are views of one qkv
