@@ -96,9 +96,9 @@ class LLM:
             cache=ProcessorCacheIndex(cache_bytes) if cache_bytes else None,
             mm_preprocessor=self.config.mm_preprocessor)
         if self.config.mm_preprocessor == "fast":  # the resize kernel built or loaded now
-            from triptych.kernels.cpu import image_resample
+            from triptych.models import image_ops
 
-            image_resample.available()
+            image_ops.load_resize()
         if in_process and cache_bytes:
             from triptych.mmcache.local import LocalPixels
             self._local_pixels = LocalPixels(cache_bytes, self.processor)

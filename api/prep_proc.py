@@ -71,9 +71,9 @@ def main() -> int:
 
     proc = InputProcessor(start.model_dir, **start.processor_kwargs)
     if proc.mm_preprocessor == "fast":  # the resize kernel: loaded (P0 built it at start)
-        from triptych.kernels.cpu import image_resample
+        from triptych.models import image_ops
 
-        image_resample.available()
+        image_ops.load_resize()
     write_frame(out, Done())
     while (job := read_frame(inp, Job)) is not None:
         write_frame(out, prepare(proc.for_request(), job))

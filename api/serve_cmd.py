@@ -268,9 +268,9 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
         protect_metrics=limits.protect_metrics, surface=surface,
         **({"tenants": tenants} if tenants is not None else {}))  # none given: an open app
     if config.mm_preprocessor == "fast":  # build (once per machine) or load the resize
-        from triptych.kernels.cpu import image_resample  # kernel now, not on the first image
+        from triptych.models import image_ops  # kernel now, not on the first image
 
-        image_resample.available()
+        image_ops.load_resize()
     workers = prep_workers(limits.mm_processor_workers, config.device)
     if workers:
         from triptych.api.prep_pool import PrepPool

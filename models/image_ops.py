@@ -30,9 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.kernels.cpu import image_resample
+from triptych.engine.platform import cpu_kernels
 
-BICUBIC, BILINEAR = image_resample.BICUBIC, image_resample.BILINEAR
+# PIL's codes of the filters the resize serves (kernels/cpu/image_resample.py's), here so
+# that importing this module (the API side does, whatever the model's device) imports no
+# CPU kernel: the kernel is imported, built or loaded when images are prepared
+BICUBIC, BILINEAR = 3, 2
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
@@ -85,10 +88,24 @@ def as_tensor(rgb: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(rgb)
 
 
+def load_resize() -> bool:
+    """Where images are prepared (P0, the preparation processes), at start rather than on
+    the first image: this CPU's copy of the C++ kernels chosen (the platform's choice, once
+    per process and logged; the same ``TRIPTYCH_CPU_ISA`` an engine follows) and the resize
+    kernel built (once per machine) or loaded. False: Pillow resizes (same bytes, slower)."""
+    from triptych.kernels.cpu import image_resample
+
+    cpu_kernels()
+    return image_resample.available()
+
+
 def resize_u8(rgb: torch.Tensor, height: int, width: int, resample: Any = BICUBIC
               ) -> torch.Tensor:
     """[H, W, 3] uint8 -> [height, width, 3] uint8: Pillow's ``resize((width, height),
     resample)`` exactly (the same size: the image itself, as Pillow's copy)."""
+    from triptych.kernels.cpu import image_resample
+
+    cpu_kernels()  # the copy of the kernel this CPU runs (a no-op once chosen)
     return image_resample.resize(rgb, height, width, int(resample))
 
 

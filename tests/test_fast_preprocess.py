@@ -1,5 +1,6 @@
 """The fast preprocessing path (``--mm-preprocessor fast``, models/image_ops.py) against HF's
-own image processors on the raw images, bit for bit: Pillow's resize (the C++ passes, and
+own image processors on the raw images, bit for bit: Pillow's resize (the C++ passes, every
+instruction-set copy of them this CPU runs, the copy a fresh process's platform chooses, and
 Pillow itself where they cannot be built), each architecture's layout (Qwen2-VL / Qwen2.5-VL
 / Qwen3-VL patches, InternVL tiles), over sizes, aspect ratios and pixel modes, under the
 tiny checkpoints' processor files and the hub checkpoints' settings. Also: the knob, the
@@ -9,6 +10,8 @@ without a copy.
 from __future__ import annotations
 
 import io
+import json
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -19,10 +22,15 @@ import torch
 from PIL import Image
 from triptych.api.media.pixels import to_rgb8
 from triptych.bench.prep import SETUPS
-from triptych.kernels.cpu import image_resample
+from triptych.engine import cpu_features
+from triptych.kernels.cpu import build as cpu_build
+from triptych.kernels.cpu import image_resample, isa
 from triptych.mmcache.hashing import hash_image, hash_pixels, media_key
 from triptych.models import image_ops
 from triptych.models.contract import contract_for_type
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_variants import ids, runnable  # noqa: E402
 
 rng = np.random.default_rng(0)
 
@@ -56,23 +64,80 @@ def test_resize_is_pillows_bit_for_bit(w, h, W, H, resample) -> None:
     assert ours.shape == (H, W, 3) and np.array_equal(ours.numpy(), ref)
 
 
+COPIES = runnable(image_resample._built()) if image_resample.available() else []
+
+
+@pytest.mark.parametrize("variant", COPIES, ids=ids(COPIES))
+@pytest.mark.parametrize("w, h, W, H", RESIZES)
+def test_every_copy_of_the_kernel_is_pillows(variant, w, h, W, H) -> None:
+    a = noise(w, h)
+    for resample in (image_ops.BICUBIC, image_ops.BILINEAR):
+        ours = image_resample.resize(image_ops.as_tensor(a), H, W, resample, variant=variant)
+        ref = np.asarray(Image.fromarray(a).resize((W, H), resample))
+        assert np.array_equal(ours.numpy(), ref), (isa.NAMES[variant], resample)
+
+
 def test_the_kernel_is_used_here_and_pillow_stands_in_without_it(monkeypatch) -> None:
-    assert image_resample.available()  # this machine has g++: the C++ passes run above
+    # with a compiler here the C++ passes are what ran above, not Pillow standing in: a
+    # kernel that stops building would otherwise show only as a slower resize
+    assert cpu_build.compiler() is None or image_resample.available()
+    assert (image_ops.BICUBIC, image_ops.BILINEAR) == (image_resample.BICUBIC,
+                                                       image_resample.BILINEAR)
     monkeypatch.setattr(image_resample, "available", lambda: False)
     a = noise(333, 250)
     ours = image_ops.resize_u8(image_ops.as_tensor(a), 196, 280)
     assert np.array_equal(ours.numpy(), np.asarray(Image.fromarray(a).resize((280, 196), 3)))
 
 
-def test_the_kernel_refuses_taps_outside_its_input() -> None:
-    image_resample.available()
+def test_the_kernel_refuses_taps_outside_its_input_and_copies_it_lacks() -> None:
+    if not image_resample.available():
+        pytest.skip("no C++ compiler here: Pillow resizes")
     src = torch.zeros(10, 30, dtype=torch.uint8)
     bounds = torch.tensor([[8, 4]], dtype=torch.int32)  # rows 8..11 of 10
+    w = torch.ones(1, 4, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="bounds outside the input"):
-        torch.ops.triptych_image.resample_rows(src, bounds, torch.ones(1, 4, dtype=torch.int32))
+        torch.ops.triptych_image.resample_rows(src, bounds, w, 0)
     with pytest.raises(RuntimeError, match="bounds outside the input"):
-        torch.ops.triptych_image.resample_cols(src.view(10, 10, 3), bounds,
-                                               torch.ones(1, 4, dtype=torch.int32))
+        torch.ops.triptych_image.resample_cols(src.view(10, 10, 3), bounds, w, 0)
+    with pytest.raises(RuntimeError, match="holds no kernel variant 7"):
+        torch.ops.triptych_image.resample_rows(src, bounds * 0, w, 7)
+
+
+# A process that prepares images (P0, a preparation process) and runs no engine: its first
+# resize asks the platform which copy this CPU runs (models/image_ops.py), as an engine would.
+PREP = """
+import json, numpy as np, triptych
+from PIL import Image
+from triptych.kernels.cpu import image_resample, isa
+from triptych.models import image_ops
+a = np.random.default_rng(1).integers(0, 256, (90, 160, 3), dtype=np.uint8)
+out = image_ops.resize_u8(image_ops.as_tensor(a), 50, 70)
+print(json.dumps({"available": image_resample.available(), "chosen": isa.chosen().variant,
+                  "runs": image_resample.variant_id(), "built": image_resample._built(),
+                  "equal": np.array_equal(out.numpy(),
+                                          np.asarray(Image.fromarray(a).resize((70, 50), 3)))}))
+"""
+CPU = cpu_features.detect()
+
+
+@pytest.mark.parametrize("level", ["native", "avx2"])
+def test_a_preparation_process_runs_the_copy_its_platform_chooses(level) -> None:
+    flags = CPU.flags | CPU.hidden  # the CPU itself, whatever this process's switch
+    expected = isa.best_variant(cpu_features.features(CPU.model, flags, level).flags)
+    if level == "avx2" and expected != "avx2":
+        pytest.skip("this CPU has no AVX2/FMA/F16C: nothing to force")
+    if cpu_build.compiler() is None:
+        pytest.skip("no C++ compiler here: Pillow resizes")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                        "FBGEMM_ENABLE_INSTRUCTIONS", "MKL_ENABLE_INSTRUCTIONS")}
+    out = subprocess.run([sys.executable, "-c", PREP], env={**env, "TRIPTYCH_CPU_ISA": level},
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["available"] and got["equal"] and got["chosen"] == expected
+    top = isa.NAMES.index(expected)
+    assert got["runs"] == max(v for v in got["built"] if v <= top)
 
 
 # -- each architecture against HF's processor ---------------------------------------------------

@@ -1,5 +1,5 @@
 """Pillow's bicubic / bilinear resize of 8-bit images, bit for bit, faster (C++ passes:
-``csrc/image_resample.cpp``). The resize of the fast image preprocessing path
+``csrc/image_resample/``). The resize of the fast image preprocessing path
 (models/image_ops.py); it runs where images are prepared (P0, preparation processes),
 whatever device the model is on.
 
@@ -10,7 +10,10 @@ to ``Image.fromarray(rgb).resize((width, height), resample)``. How:
   and ``normalize_coeffs_8bpc``), computed here in float64 in Pillow's order of operations
   (a sequential sum, the same filter polynomial), then scaled to 22-bit integers with
   Pillow's rounding;
-- the two passes are Pillow's integer passes (the C++ library), in Pillow's order:
+- the two passes are Pillow's integer passes (the C++ library: one copy per instruction
+  set, ``isa.py``; each call runs the copy the platform chose, so the process must have
+  called ``engine.platform.cpu_kernels()`` first, as ``image_ops.resize_u8`` does; every
+  copy computes the same integers), in Pillow's order:
   Pillow 13 runs the vertical pass first when the height shrinks by more than twice what
   the width does (before 13: always horizontal first). Each pass rounds to 8 bits, so the
   order shows in the result.
@@ -28,6 +31,7 @@ import numpy as np
 import PIL
 import torch
 from triptych.kernels.cpu import build as cpu_build
+from triptych.kernels.cpu import isa
 
 logger = logging.getLogger("triptych.image_resample")
 
@@ -42,6 +46,16 @@ def available() -> bool:
     """Whether the C++ passes are built and loaded here (else Pillow resizes)."""
     return cpu_build.usable(LIBRARY, logger, "the image resize kernel is unavailable: the "
                             "fast preprocessing path resizes with Pillow (same pixels, slower)")
+
+
+@functools.cache
+def _built() -> tuple[int, ...]:
+    return tuple(torch.ops.triptych_image.variants())
+
+
+def variant_id() -> int:
+    """The variant this process runs (the platform's choice, as far as this build holds it)."""
+    return isa.variant_id(LIBRARY, _built())
 
 
 def _filter(resample: int, x: np.ndarray) -> np.ndarray:
@@ -89,10 +103,11 @@ def vertical_first(h_in: int, w_in: int, h_out: int, w_out: int) -> bool:
     return _VERTICAL_FIRST_RULE and shrink_h > 0 and shrink_h > 2 * shrink_w
 
 
-def resize(rgb: torch.Tensor, height: int, width: int, resample: int = BICUBIC
-           ) -> torch.Tensor:
+def resize(rgb: torch.Tensor, height: int, width: int, resample: int = BICUBIC,
+           variant: int | None = None) -> torch.Tensor:
     """[H, W, C] uint8 (contiguous) -> [height, width, C] uint8, Pillow's bytes exactly.
-    The same size is returned as it is (Pillow copies it unchanged)."""
+    The same size is returned as it is (Pillow copies it unchanged). ``variant`` (an
+    ``isa.NAMES`` index; tests): another copy than the platform's choice."""
     if resample not in _SUPPORT:
         raise ValueError(f"resample {resample}: only bicubic ({BICUBIC}) and bilinear "
                          f"({BILINEAR}) are served")
@@ -102,19 +117,20 @@ def resize(rgb: torch.Tensor, height: int, width: int, resample: int = BICUBIC
     if not available():
         return _pillow(rgb, height, width, resample)
     ops = torch.ops.triptych_image
+    v = variant_id() if variant is None else variant
     rgb = rgb.contiguous()
 
     def rows(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == height:
             return x
         b, k = coefficients(x.shape[0], height, resample)
-        return ops.resample_rows(x.view(x.shape[0], -1), b, k).view(height, x.shape[1], c)
+        return ops.resample_rows(x.view(x.shape[0], -1), b, k, v).view(height, x.shape[1], c)
 
     def cols(x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] == width:
             return x
         b, k = coefficients(x.shape[1], width, resample)
-        return ops.resample_cols(x, b, k)
+        return ops.resample_cols(x, b, k, v)
 
     if vertical_first(h, w, height, width):
         return cols(rows(rgb))
@@ -130,4 +146,5 @@ def _pillow(rgb: torch.Tensor, height: int, width: int, resample: int) -> torch.
     return torch.from_numpy(np.array(out.reshape(height, width, -1)))
 
 
-__all__ = ["BICUBIC", "BILINEAR", "available", "coefficients", "resize", "vertical_first"]
+__all__ = ["BICUBIC", "BILINEAR", "available", "coefficients", "resize", "variant_id",
+           "vertical_first"]
