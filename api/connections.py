@@ -13,14 +13,18 @@ they stayed open, no key needed. Here every connection is in one of two states:
 
 Idle connections are capped, server-wide (``max_idle``) and per client address
 (``max_idle_per_client``): a new connection past a cap closes the *oldest* idle one (of
-that address first), so a new arrival always gets in. A client that sends its request at
-once (a load balancer's probe, an authenticated client) is busy within a round trip and
-cannot be pushed out; a pile of silent sockets only pushes out each other.
+that address first), so a new arrival always gets in. Under the address's cap only a
+connection idle for longer than a grace period (a second, or half the header deadline) is
+closed: a burst of connections that send their requests at once (a batch client opening
+200, a load balancer's probes) is busy within a round trip and is never pushed out; a pile
+of silent sockets only pushes out each other. The server-wide cap holds at once (it keeps
+idle connections below uvicorn's ``--limit-concurrency``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -36,7 +40,9 @@ class ConnectionGuard:
                  max_idle_per_client: int = 128) -> None:
         self.header_timeout_s = header_timeout_s
         self.max_idle, self.max_idle_per_client = max_idle, max_idle_per_client
-        self._idle: OrderedDict[Any, str] = OrderedDict()  # protocol -> client address
+        self.grace_s = min(1.0, header_timeout_s / 2)  # idle this long before a cap may close it
+        # protocol -> (client address, when it became idle), oldest first
+        self._idle: OrderedDict[Any, tuple[str, float]] = OrderedDict()
         self._by_client: dict[str, int] = {}
         self.closed_idle = 0  # connections closed by a cap or the header deadline
 
@@ -52,12 +58,12 @@ class ConnectionGuard:
             self._close_oldest(client)
         if len(self._idle) >= self.max_idle:
             self._close_oldest(None)
-        self._idle[proto] = client
+        self._idle[proto] = (client, time.monotonic())
         self._by_client[client] = self._by_client.get(client, 0) + 1
 
     def busy(self, proto: Any) -> None:
         """``proto`` has a request in progress (or is gone): no longer idle."""
-        client = self._idle.pop(proto, None)
+        client, _ = self._idle.pop(proto, (None, 0.0))
         if client is not None:
             left = self._by_client[client] - 1
             if left:
@@ -66,8 +72,13 @@ class ConnectionGuard:
                 del self._by_client[client]
 
     def _close_oldest(self, client: str | None) -> None:
-        victim = next((p for p, c in self._idle.items() if client is None or c == client),
-                      None)
+        """Close the oldest idle connection: server-wide, whatever its age (the cap keeps
+        idle connections below ``--limit-concurrency``); of ``client``, only one idle past
+        the grace period, else none (the address's cap is passed for a moment: its fresh
+        connections are about to send their requests)."""
+        old_enough = time.monotonic() - (self.grace_s if client is not None else 0.0)
+        victim = next((p for p, (c, since) in self._idle.items()
+                       if (client is None or c == client) and since <= old_enough), None)
         if victim is not None:
             self.busy(victim)
             self.closed_idle += 1
