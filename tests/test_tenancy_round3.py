@@ -227,3 +227,37 @@ def test_models_show_no_server_path_to_tenants(server, tiny_qwen2_vl):
         assert r.json()["data"][0]["root"] == "tiny", (who, r.json())
         r = httpx.get(server.base + "/v1/models/tiny", headers=headers(who), timeout=30)
         assert r.status_code == 200 and tiny_qwen2_vl not in r.text
+
+
+def test_the_connection_caps_close_only_old_idle_sockets(monkeypatch):
+    """api/connections.py, driven directly: a burst of fresh connections from one address
+    is never pushed out by that address's cap (they are about to send requests); one idle
+    past the grace period is, the oldest first; the server-wide cap holds at once."""
+    import triptych.api.connections as conn
+
+    now = [100.0]
+    monkeypatch.setattr(conn.time, "monotonic", lambda: now[0])
+
+    class Sock:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def close_idle(self, why: str) -> None:
+            self.closed = True
+
+    guard = conn.ConnectionGuard(header_timeout_s=10, max_idle=6, max_idle_per_client=2)
+    burst = [Sock() for _ in range(4)]
+    for s in burst:
+        guard.idle(s, "1.2.3.4")
+    assert not any(s.closed for s in burst) and guard.num_idle == 4  # fresh: spared
+    now[0] += 2.0  # past the grace period
+    late = Sock()
+    guard.idle(late, "1.2.3.4")
+    assert burst[0].closed and not any(s.closed for s in burst[1:])  # the oldest, alone
+    for s in burst[1:]:
+        guard.busy(s)  # they sent their requests
+    others = [Sock() for _ in range(6)]  # fresh, one per address
+    for i, s in enumerate(others):
+        guard.idle(s, f"10.0.0.{i}")
+    assert late.closed  # the server-wide cap closed the oldest idle one, fresh or not
+    assert not any(s.closed for s in others) and guard.num_idle == 6
