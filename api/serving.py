@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from triptych.router.router import EngineDeadError
 from triptych.api.admission import Slots
 from triptych.api.errors import APIError

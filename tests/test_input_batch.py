@@ -3,7 +3,6 @@ new, decoding, imported (KV computed elsewhere) and resumed (preempted) requests
 from __future__ import annotations
 
 import numpy as np
-import torch
 from triptych.engine.input_batch import InputBatch
 from triptych.engine.request import MMItem, Request
 from triptych.engine.sampling_params import SamplingParams
