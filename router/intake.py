@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from triptych.engine.output_processor import OutputProcessor
+from triptych.router.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput
 from triptych.router.handle import WorkerHandle
 from triptych.router.migration import Migration
