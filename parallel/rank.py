@@ -52,7 +52,11 @@ def run_rank(spec: Any) -> None:
     from triptych.config import EngineConfig
     from triptych.engine.sizing.memory import start_snapshot
     from triptych.engine.runner.model_runner import ModelRunner
-    from triptych.engine.sizing.model_shape import num_kv_blocks, resolve_cpu_weights, resolve_device
+    from triptych.engine.sizing.model_shape import (
+        num_kv_blocks,
+        resolve_cpu_weights,
+        resolve_device,
+    )
     from triptych.engine.sizing.profile_run import ProfileMeter, profile_blocks
     from triptych.kernels import get_ops
     from triptych.models import load_model

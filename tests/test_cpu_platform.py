@@ -1,5 +1,6 @@
-"""The platform seam's CPU choices (engine/device/cpu_features.py, engine/device/platform.cpu_kernels) and
-the switch that makes an AVX-512 box choose as an AVX2-only one (``TRIPTYCH_CPU_ISA``):
+"""The platform seam's CPU choices (engine/device/cpu_features.py,
+engine/device/platform.cpu_kernels) and the switch that makes an AVX-512 box choose as an
+AVX2-only one (``TRIPTYCH_CPU_ISA``):
 
 - each level hides the flags it names and nothing else; a bad value is refused naming the
   variable; the libraries' own caps are exported unless the user set them;

@@ -1,4 +1,5 @@
-"""Penalties, min-p and the no-repeat n-gram guard (engine/sample/penalties.py, engine/sample/sampler.py).
+"""Penalties, min-p and the no-repeat n-gram guard (engine/sample/penalties.py,
+engine/sample/sampler.py).
 
 Units: the batched ops on mixed rows (some penalised, some not) against a per-row
 reference written out here, the state's rebuild on (re)join, the free path, min-p against

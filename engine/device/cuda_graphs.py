@@ -32,7 +32,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.runner.forward_context import AttentionMetadata, ForwardContext, forward_context
+from triptych.engine.runner.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+)
 
 logger = logging.getLogger("triptych.cuda_graphs")
 

@@ -37,7 +37,8 @@ class GrammarState:
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self.dead: dict[str, str] = {}  # requests to end, and why (take_dead): a grammar
-        # that allowed no token, or one over its share of the step (engine/structured/grammar_budget.py)
+        # that allowed no token, or one over its share of the step
+        # (engine/structured/grammar_budget.py)
         self.budget = GrammarBudget()
         self._accept_s: dict[str, float] = {}  # matcher updates since the last fill
         self.num_masked_steps = 0
