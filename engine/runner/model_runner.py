@@ -38,11 +38,8 @@ import torch
 from triptych.engine.device.cuda_graphs import CudaGraphRunner
 from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
 from triptych.engine.encoder.encoder_runner import EncoderRunner
-from triptych.engine.runner.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
-    forward_context,
-)
+from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
+                                                     forward_context)
 from triptych.engine.structured.grammar import apply_bitmask
 from triptych.engine.runner.input_batch import InputBatch, StepInputs
 from triptych.engine.device.platform import sampler_argmax
