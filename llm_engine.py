@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
-from triptych.engine.engine_core import EngineCore
-from triptych.router.output_processor import OutputProcessor
-from triptych.engine.outputs import RequestOutput
 from triptych.engine.device.platform import applies_host_policies
+from triptych.engine.engine_core import EngineCore
+from triptych.engine.outputs import RequestOutput
 from triptych.engine.request import MMItem
 from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.parallel.loader import load_engine_core
+from triptych.router.output_processor import OutputProcessor
 from triptych.worker.allocator import StepTrim
 from triptych.worker.threads import apply_thread_policy
 

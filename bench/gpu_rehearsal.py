@@ -19,8 +19,8 @@ from typing import Any
 
 from triptych.config import parse_size
 from triptych.engine.device.cuda_graphs import GraphPlan
-from triptych.engine.sizing.memory import MemorySnapshot, Usage
 from triptych.engine.device.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+from triptych.engine.sizing.memory import MemorySnapshot, Usage
 
 KV_BUDGET = "4MiB"  # what the rehearsed share leaves for the KV cache
 

@@ -25,10 +25,13 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
-from triptych.engine.structured.grammar_compiler import GrammarCompiler
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.loaded_model import LoadedModel
+from triptych.engine.outputs import EngineCoreOutput
+from triptych.engine.request import MMItem, Request, RequestStatus
 from triptych.engine.runner.model_runner import ModelRunner, RunnerBroken, StepOutput
+from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.engine.scheduler import Scheduler, SchedulerOutput
 from triptych.engine.sizing.model_shape import (  # noqa: F401 (ModelShape, resolve_*: re-exported)
     ModelShape,
     kv_block_bytes,
@@ -37,10 +40,7 @@ from triptych.engine.sizing.model_shape import (  # noqa: F401 (ModelShape, reso
     resolve_dtype,
     resolve_max_model_len,
 )
-from triptych.engine.outputs import EngineCoreOutput
-from triptych.engine.request import MMItem, Request, RequestStatus
-from triptych.engine.sample.sampling_params import SamplingParams
-from triptych.engine.scheduler import Scheduler, SchedulerOutput
+from triptych.engine.structured.grammar_compiler import GrammarCompiler
 from triptych.engine.timings import RequestTimings
 from triptych.engine.validate import validate_request
 

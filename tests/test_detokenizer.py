@@ -86,9 +86,9 @@ def test_outputs_carry_deltas_not_copies_of_the_whole_output(tok):
     """OutputProcessor (router/output_processor.py): each step's output carries the ids it
     adds (and their logprobs as the tail of the list); the whole lists are the completion's
     own, never a copy per step (that was quadratic in the output's length)."""
-    from triptych.router.output_processor import OutputProcessor
     from triptych.engine.outputs import EngineCoreOutput
     from triptych.engine.sample.sampling_params import SamplingParams
+    from triptych.router.output_processor import OutputProcessor
 
     text = "héllo 日本語 ✓ the quick brown fox"
     ids = tok.encode(text)

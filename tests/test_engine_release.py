@@ -97,8 +97,8 @@ def test_profile_step_runs_at_the_limits_and_leaves_nothing(tiny_qwen2_vl):
 def test_text_only_profile_fills_the_budget(tiny_qwen2_vl):
     from transformers import AutoConfig
     from triptych.config import EngineConfig
-    from triptych.engine.sizing.model_shape import ModelShape
     from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+    from triptych.engine.sizing.model_shape import ModelShape
 
     hf = AutoConfig.from_pretrained(tiny_qwen2_vl, local_files_only=True)
     cfg = EngineConfig(model=tiny_qwen2_vl, max_num_batched_tokens=100, max_num_seqs=7)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from triptych.engine.runner.input_batch import InputBatch
 from triptych.engine.request import MMItem, Request
+from triptych.engine.runner.input_batch import InputBatch
 from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.models.mrope import compute_mrope_positions
 

@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from triptych.engine.structured.grammar import GrammarState
-from triptych.engine.sample.penalties import PenaltyState
 from triptych.engine.request import Request
+from triptych.engine.sample.penalties import PenaltyState
 from triptych.engine.sample.sampler import SamplingArrays, sampling_arrays
+from triptych.engine.structured.grammar import GrammarState
 
 # per-row arrays that move with their row (dtype of each)
 _ROW_ARRAYS = {"num_tokens": np.int64, "num_computed": np.int64, "num_prompt": np.int64,

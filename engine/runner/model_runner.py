@@ -37,16 +37,13 @@ import numpy as np
 import torch
 from triptych.engine.device.cuda_graphs import CudaGraphRunner
 from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
+from triptych.engine.device.platform import sampler_argmax
 from triptych.engine.encoder.encoder_runner import EncoderRunner
+from triptych.engine.request import MMItem
 from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
                                                      forward_context)
-from triptych.engine.structured.grammar import apply_bitmask
 from triptych.engine.runner.input_batch import InputBatch, StepInputs
-from triptych.engine.device.platform import sampler_argmax
 from triptych.engine.runner.prompt_logprobs import record_prompt_logprobs
-from triptych.engine.request import MMItem
-from triptych.engine.sample.sampler import Argmax, Sampler, to_output
-from triptych.engine.scheduler import SchedulerOutput
 from triptych.engine.runner.step_state import (
     NO_ARRAYS,
     DeviceStep,
@@ -58,6 +55,9 @@ from triptych.engine.runner.step_state import (
     device_inputs,
     in_flight_rows,
 )
+from triptych.engine.sample.sampler import Argmax, Sampler, to_output
+from triptych.engine.scheduler import SchedulerOutput
+from triptych.engine.structured.grammar import apply_bitmask
 
 
 class RunnerBroken(Exception):

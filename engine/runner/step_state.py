@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 from triptych.engine.device.device_io import Fetching
+from triptych.engine.request import Request
 from triptych.engine.runner.forward_context import AttentionMetadata
 from triptych.engine.runner.input_batch import StepInputs
-from triptych.engine.request import Request
 from triptych.engine.sample.sampler import SamplingArrays
 from triptych.engine.scheduler import SchedulerOutput
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 from triptych.engine.encoder.encoder_cache import EncoderCache
-from triptych.engine.sizing.memory import MemorySnapshot, Usage, usage_after_profile
 from triptych.engine.request import MMItem, Request
 from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK, SchedulerOutput
+from triptych.engine.sizing.memory import MemorySnapshot, Usage, usage_after_profile
 
 PROFILE_ID = "~profile-"  # never a request id of the router or LLM
 MAX_IMAGE_PIXELS = 32_000_000  # api/media/limits.py's max_image_pixels: larger is refused

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from triptych.engine.structured.grammar_budget import GrammarBudget
 from triptych.engine.request import Request
+from triptych.engine.structured.grammar_budget import GrammarBudget
 from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("triptych.grammar")
