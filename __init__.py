@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from triptych.engine import cpu_features
+from triptych.engine.device import cpu_features
 
 # NOTE: before any torch op runs in this process: oneDNN, ATen and fbgemm read their
-# instruction-set caps once, at their first use (TRIPTYCH_CPU_ISA, engine/cpu_features.py)
+# instruction-set caps once, at their first use (TRIPTYCH_CPU_ISA, engine/device/cpu_features.py)
 cpu_features.apply_switch()
 
-from triptych.engine.beam_search import BeamSearchParams
-from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.sample.beam_search import BeamSearchParams
+from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from triptych.config import EngineConfig

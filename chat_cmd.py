@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     import os
 
     from triptych.cli import engine_config_from_args, resolve_model
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.llm import LLM
     from triptych.models.demo import demo_checkpoint
 

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {args.command}")
     # NOTE: `serve`'s process (P0) runs no engine steps: glibc's own allocator thresholds.
     # A command whose engine runs on a GPU keeps torch's thread and allocator defaults.
-    from triptych.engine.platform import applies_host_policies
+    from triptych.engine.device.platform import applies_host_policies
 
     if args.command == "serve" or applies_host_policies(getattr(args, "device", None) or "auto"):
         apply_thread_policy(getattr(args, "cpu_threads", None), steps=args.command != "serve")

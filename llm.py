@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from triptych.router.prompt import ProcessedPrompt
 from triptych.config import EngineConfig
 from triptych.llm_engine import LLMEngine
-from triptych.engine.beam_search import (
+from triptych.engine.sample.beam_search import (
     BeamSearch,
     BeamSearchOutput,
     BeamSearchParams,
@@ -40,9 +40,9 @@ from triptych.engine.beam_search import (
     beam_output,
     beam_prompt,
 )
-from triptych.engine.memory import release_device_memory
+from triptych.engine.sizing.memory import release_device_memory
 from triptych.engine.outputs import RequestOutput
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str, "multi_modal_data": {...}} | ProcessedPrompt
 
@@ -67,7 +67,7 @@ class LLM:
         from triptych.router.layout import Layout
         from triptych.api.media.decode import MediaLimits
         from triptych.api.processor import InputProcessor
-        from triptych.engine.model_shape import resolve_max_model_len
+        from triptych.engine.sizing.model_shape import resolve_max_model_len
         from triptych.mmcache import ProcessorCacheIndex, processor_cache_bytes
 
         self.config = EngineConfig.from_kwargs(model=model, **knobs)
@@ -201,7 +201,7 @@ class LLM:
         """vLLM's ``LLM.beam_search``: the ``beam_width`` best continuations of each prompt
         (text, token ids or ``{"prompt", "multi_modal_data"}``), best first. Each step runs
         every live beam of every prompt as one batch of one-token requests; the prefix cache
-        shares the prompts' KV (engine/beam_search.py)."""
+        shares the prompts' KV (engine/sample/beam_search.py)."""
         if self.layout.has_prefill_pool:
             raise ValueError("beam search runs in colocated layouts only (not P+D)")
         processed, _ = self._prompts(prompts)

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
+from triptych.engine.device.platform import applies_host_policies
 from triptych.engine.engine_core import EngineCore
-from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import RequestOutput
-from triptych.engine.platform import applies_host_policies
 from triptych.engine.request import MMItem
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.parallel.loader import load_engine_core
+from triptych.router.output_processor import OutputProcessor
 from triptych.worker.allocator import StepTrim
 from triptych.worker.threads import apply_thread_policy
 
@@ -39,7 +39,7 @@ class LLMEngine:
             raise ValueError("data_parallel_size > 1 runs replicas as worker processes: use "
                              "`triptych serve` or LLM(...), not LLMEngine directly")
         # Threads and OpenMP wait policy of this process, before the model runs (an engine
-        # on the CPU: a GPU engine keeps torch's defaults, engine/platform.py)
+        # on the CPU: a GPU engine keeps torch's defaults, engine/device/platform.py)
         self.cpu_threads = apply_thread_policy(config.cpu_threads) \
             if applies_host_policies(config.device) else torch.get_num_threads()
         self.trim = StepTrim()  # the allocator keeps what the steps need (worker/allocator.py)

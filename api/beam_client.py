@@ -1,7 +1,7 @@
 """Beam search behind both HTTP endpoints (``use_beam_search``): an engine client wrapper.
 
 ``Generation`` talks to it as to the router: ``submit`` streams RequestDeltas. Underneath,
-each step of the search (engine/beam_search.py) submits one one-token request per live
+each step of the search (engine/sample/beam_search.py) submits one one-token request per live
 beam to the real client; the prefix cache shares the prompt's KV between them.
 
     submit -> step 1 (the prompt alone; a refusal here is the client's 400)
@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from triptych.api.processor import InputProcessor, ProcessedPrompt
-from triptych.engine.beam_search import (
+from triptych.engine.sample.beam_search import (
     BeamSearch,
     BeamSearchParams,
     beam_max_tokens,
     beam_output,
     beam_prompt,
 )
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.worker import wire
 
 

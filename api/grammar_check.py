@@ -10,7 +10,7 @@
       and started again for the next job
 
 The processes start on the first structured request (each imports xgrammar, ~270 MB) and
-die with P0. A worker still compiles in its own threads (engine/grammar_compiler.py): it
+die with P0. A worker still compiles in its own threads (engine/structured/grammar_compiler.py): it
 sees only specs P0 has compiled within the bound.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 from triptych.api.grammar_proc import Job, Start, Verdict
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 VERDICTS = 1024  # specs whose verdict is kept (least recently used go first)
 MAX_WAITING = 16  # a tenant's compiles waiting at once; more are refused (429)

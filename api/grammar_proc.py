@@ -56,7 +56,7 @@ def verdict(comp: object, vocab_size: int, key: tuple[str, str, bool, bool]) -> 
     """Compile ``key``; a grammar whose first token has no allowed value (``root ::= root``:
     its language is empty) is refused here rather than failing a batch later."""
     import xgrammar as xgr
-    from triptych.engine.grammar_compiler import compile_key
+    from triptych.engine.structured.grammar_compiler import compile_key
 
     try:
         grammar = compile_key(comp, key)

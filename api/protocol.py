@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from triptych.engine.beam_search import MAX_BEAM_WIDTH
+from triptych.engine.sample.beam_search import MAX_BEAM_WIDTH
 
 INT32 = 2**31 - 1  # bound on counts (they must also fit the msgpack wire)
 INT64 = 2**63 - 1

@@ -44,8 +44,8 @@ from triptych.api.template_cost import TemplateCost
 from triptych.api.tenancy import cache_scope
 from triptych.api.tools.checks import check_tools
 from triptych.api.tools.plan import ToolSettings
-from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 # apply_chat_template's own parameters (and the template's conversation variables) may not
 # come in through chat_template_kwargs.

@@ -30,7 +30,7 @@ from triptych.api.metrics import Metrics, RequestTimes
 from triptych.api.openai_format import Choice, Formatter, PromptInfo
 from triptych.router.prompt import ProcessedPrompt
 from triptych.worker import wire
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger("triptych.api")
 

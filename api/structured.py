@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from triptych.api.errors import APIError, bad_request
 from triptych.api.grammar_check import CheckerDown, CompileBusy, GrammarChecker
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -7,7 +7,7 @@ Keys come from ``--api-key`` (or ``VLLM_API_KEY``, as vLLM) and from ``--api-key
 tenant: with only that flag the server has one tenant, as vLLM does.
 
 The scope is what a request's client-named data lives under: its uuids (mmcache/hashing.py)
-and its prefix-cache blocks (engine/block_hash.py, router routing). Two requests share them
+and its prefix-cache blocks (engine/kv/block_hash.py, router routing). Two requests share them
 only when tenant and ``cache_salt`` are both equal. Content the server hashes itself (an
 image's bytes) is not scoped: see docs/tenancy.md for what that leaves observable.
 

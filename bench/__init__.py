@@ -8,9 +8,9 @@ from typing import Any
 
 def machine() -> dict[str, Any]:
     """The box a benchmark ran on, recorded beside its figures: the CPU and the flags the
-    engine chose by (engine/cpu_features.py; under TRIPTYCH_CPU_ISA, what it hid)."""
+    engine chose by (engine/device/cpu_features.py; under TRIPTYCH_CPU_ISA, what it hid)."""
     import torch
-    from triptych.engine import cpu_features
+    from triptych.engine.device import cpu_features
 
     cpu = cpu_features.detect()
     return {"cpu": cpu.model, "cpu_flags": cpu.summary(), "cores": os.cpu_count(),

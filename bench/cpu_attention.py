@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     early_env(args.threads)
     threads = apply_thread_policy(args.threads)
-    from triptych.engine.platform import cpu_kernels
+    from triptych.engine.device.platform import cpu_kernels
     from triptych.kernels import torch_ref
     from triptych.kernels.cpu import paged_attention as cpu_paged_attention
 

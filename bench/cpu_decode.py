@@ -98,7 +98,7 @@ def step_bytes(hf: Any, fmt: str, context: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.llm import LLM
     from triptych.models.demo import BENCH_FLAGS, tiny_checkpoint
     from triptych.worker.threads import apply_thread_policy
@@ -228,7 +228,7 @@ def split(llm: Any, prompts: list[list[int]], sp: Any, title: str, top: int = 10
 def quality(llms: dict[str, Any], fmts: list[str], args: argparse.Namespace, vocab: int
             ) -> dict[str, Any]:
     """Greedy agreement and teacher-forced log-prob error of each format against fp32."""
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
 
     if "fp32" not in llms:
         raise SystemExit("--quality compares against fp32: keep fp32 in --formats")

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of distinct weights")
     p.add_argument("--vocab", type=int, default=VOCAB, help="rows of the LM head")
     args = p.parse_args(argv)
-    from triptych.engine.platform import cpu_kernels
+    from triptych.engine.device.platform import cpu_kernels
 
     print(f"kernels: {cpu_kernels()}")  # the platform's choice for this CPU (TRIPTYCH_CPU_ISA)
     fmts = args.formats.split(",")

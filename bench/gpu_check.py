@@ -40,7 +40,7 @@ from typing import Any
 # budget that runs out loses the last steps), then the correctness sweeps. The shares sum
 # to DEFAULT_BUDGET; each step gets its share of what is left when it starts, so time a
 # step does not use goes to the ones after it (``step_limit``). Sized for a cold box:
-# every engine compiles its Triton variants once at start (engine/warmup.py), and the
+# every engine compiles its Triton variants once at start (engine/runner/warmup.py), and the
 # steps share Triton's on-disk cache (later steps load what earlier ones compiled).
 STEPS: dict[str, tuple[str, int]] = {
     "model": ("gpu_speed", 20), "decode": ("gpu_speed", 60), "ttft": ("gpu_speed", 30),

@@ -1,14 +1,14 @@
 """`bench gpu --cpu-smoke`: a CUDA engine's start and steps, rehearsed on the CPU.
 
 A smoke run proves the GPU script before a GPU sees it. Its engines take the CUDA engine's
-path (engine/rehearsal.py: Triton under the interpreter, logits and the device sampler,
+path (engine/device/rehearsal.py: Triton under the interpreter, logits and the device sampler,
 packed staging, async scheduling) and start as a CUDA engine does (parallel/loader.py):
 
     profile run     one step at the limits (largest image, prompt-logprobs chunk, sampler)
     trial capture   every decode graph size, rehearsed, then released
     KV sizing       the blocks a share of a device holds after what the profile measured
                     (here the "device" is numbers: weights + encoder cache + KV budget)
-    warm-up         the step shapes of the first requests (engine/warmup.py)
+    warm-up         the step shapes of the first requests (engine/runner/warmup.py)
     capture         the decode graphs over the real cache (rehearsed: replays run eagerly)
 
 What only a GPU runs: the capture itself, pinned memory, events, the copies.
@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from triptych.config import parse_size
-from triptych.engine.cuda_graphs import GraphPlan
-from triptych.engine.memory import MemorySnapshot, Usage
-from triptych.engine.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+from triptych.engine.device.cuda_graphs import GraphPlan
+from triptych.engine.device.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+from triptych.engine.sizing.memory import MemorySnapshot, Usage
 
 KV_BUDGET = "4MiB"  # what the rehearsed share leaves for the KV cache
 
@@ -46,7 +46,7 @@ def rehearsed_llm(model: str, graph_sizes: list[int] | None = None, **knobs: Any
     """An ``LLM`` started as a CUDA engine starts, on the CUDA engine's path (module
     docstring), and what its start did."""
     from triptych.engine.engine_core import EngineCore
-    from triptych.engine.warmup import warm_up
+    from triptych.engine.runner.warmup import warm_up
     from triptych.llm import LLM
     from triptych.parallel.loader import size_by_profile, text_token
 

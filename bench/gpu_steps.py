@@ -38,7 +38,7 @@ def convs() -> list[list[dict]]:
 
 
 def greedy(n: int = MAX_TOKENS) -> Any:
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 

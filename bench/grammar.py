@@ -25,7 +25,7 @@ SCHEMA = {"type": "array", "minItems": 500,
 def _run(llm, n: int, out_len: int, structured: bool) -> tuple[float, int, float, int]:
     """(wall seconds, engine steps, grammar seconds, masked steps) of one batch."""
     from triptych import SamplingParams
-    from triptych.engine.structured_params import StructuredOutputsParams as S
+    from triptych.engine.structured.structured_params import StructuredOutputsParams as S
 
     core = llm.engine.core
     g = core.runner.batch.grammars
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
     from triptych import LLM
-    from triptych.engine.structured_params import StructuredOutputsParams as S
+    from triptych.engine.structured.structured_params import StructuredOutputsParams as S
     from triptych.models.tiny import make_tiny
 
     tmp = tempfile.mkdtemp(prefix="grammar-bench-")

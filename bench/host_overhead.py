@@ -62,9 +62,9 @@ def wrappers(rounds: int = 5) -> dict[str, float]:
 def output_processor(lengths: tuple[int, ...] = (1000, 4000, 16000)) -> dict[str, float]:
     """us a token of ``OutputProcessor.process`` for one request fed a token at a time (a
     stand-in tokenizer whose decode costs nothing: the bookkeeping is what is timed)."""
-    from triptych.engine.output_processor import OutputProcessor
     from triptych.engine.outputs import EngineCoreOutput
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
+    from triptych.router.output_processor import OutputProcessor
 
     class Tok:
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

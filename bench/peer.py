@@ -176,7 +176,7 @@ triptych_child(json.loads(sys.argv[1]))
 def triptych_child(cfg: dict[str, Any]) -> None:
     """A triptych process: load once, then one timed generate per line of stdin (a batch
     size), answered with a JSON line."""
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.llm import LLM
     from triptych.worker.threads import apply_thread_policy
 

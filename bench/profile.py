@@ -104,7 +104,7 @@ class PartTimer:
                 self._hook(mod, name)
 
     def _hook(self, mod: Any, name: str) -> None:
-        from triptych.engine.forward_context import get_forward_context
+        from triptych.engine.runner.forward_context import get_forward_context
 
         start: list[float] = []
 

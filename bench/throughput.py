@@ -117,7 +117,7 @@ def _spinner() -> subprocess.Popen:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.llm import LLM
     from triptych.worker.threads import apply_thread_policy
 

@@ -76,7 +76,7 @@ def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int,
                    threads: int | None = None) -> float:
     """Median wall time of a decode step of ``batch`` requests (64-token prompts)."""
     from triptych.config import EngineConfig
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.parallel.loader import load_engine_core
 
     cores = torch.get_num_threads()
@@ -103,7 +103,7 @@ def decode_step_ms(model_dir: str, tp: int, batch: int, steps: int,
 
 
 def machine() -> str:
-    from triptych.engine import cpu_features
+    from triptych.engine.device import cpu_features
 
     return (f"{cpu_features.detect().model}, {os.cpu_count()} cores, {torch.get_num_threads()} "
             f"threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")

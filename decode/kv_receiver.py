@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from triptych.worker import wire
-from triptych.engine.block_hash import extend_block_hashes
-from triptych.engine.block_pool import KVBlock
+from triptych.engine.kv.block_hash import extend_block_hashes
+from triptych.engine.kv.block_pool import KVBlock
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.histogram import Histogram
 from triptych.engine.request import MMItem, Request

@@ -2,7 +2,7 @@
 
 It sees single-completion requests (the API process fans ``n > 1`` out into children)
 and speaks token ids only: detokenization, stop strings and response shapes live with the
-caller (``engine/output_processor.py``, run in the API process or in-process by
+caller (``router/output_processor.py``, run in the API process or in-process by
 ``LLMEngine``). What each pool adds on top (hand-off after prefill, KV import, embeddings
 from an encode worker) goes through the same request object and scheduler. The model and
 its runner come built (``parallel/loader.py``: one process, or rank 0 of a group), so the
@@ -25,11 +25,14 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig
-from triptych.engine.grammar_compiler import GrammarCompiler
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.loaded_model import LoadedModel
-from triptych.engine.model_runner import ModelRunner, RunnerBroken, StepOutput
-from triptych.engine.model_shape import (  # noqa: F401 (ModelShape, resolve_*: re-exported)
+from triptych.engine.outputs import EngineCoreOutput
+from triptych.engine.request import MMItem, Request, RequestStatus
+from triptych.engine.runner.model_runner import ModelRunner, RunnerBroken, StepOutput
+from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.engine.scheduler import Scheduler, SchedulerOutput
+from triptych.engine.sizing.model_shape import (  # noqa: F401 (ModelShape, resolve_*: re-exported)
     ModelShape,
     kv_block_bytes,
     num_kv_blocks,
@@ -37,10 +40,7 @@ from triptych.engine.model_shape import (  # noqa: F401 (ModelShape, resolve_*: 
     resolve_dtype,
     resolve_max_model_len,
 )
-from triptych.engine.outputs import EngineCoreOutput
-from triptych.engine.request import MMItem, Request, RequestStatus
-from triptych.engine.sampling_params import SamplingParams
-from triptych.engine.scheduler import Scheduler, SchedulerOutput
+from triptych.engine.structured.grammar_compiler import GrammarCompiler
 from triptych.engine.timings import RequestTimings
 from triptych.engine.validate import validate_request
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from triptych.engine.encoder_runner import EncoderRunner
-from triptych.engine.model_runner import ModelRunner
-from triptych.engine.model_shape import ModelShape
+from triptych.engine.encoder.encoder_runner import EncoderRunner
+from triptych.engine.runner.model_runner import ModelRunner
+from triptych.engine.sizing.model_shape import ModelShape
 
 
 @dataclass
@@ -35,7 +35,7 @@ class LoadedModel:
     # each rank's weight_bytes, rank 0 first, as each process measured its own (a group)
     rank_weight_bytes: list[dict[str, int]] | None = None
     gpu_memory_share: float = 0.0  # CUDA: the share of its device it measured it needs
-    # (an encode worker, engine/memory.py), 0: not measured
+    # (an encode worker, engine/sizing/memory.py), 0: not measured
 
     def weight_stats(self) -> dict[str, float]:
         """The worker's resident weight bytes per part, all its ranks together, for its

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 
 @dataclass

@@ -29,7 +29,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("triptych.scheduler")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from triptych.engine.forward_context import AttentionMetadata, get_forward_context
+from triptych.engine.runner.forward_context import AttentionMetadata, get_forward_context
 
 
 class PagedAttention(nn.Module):

@@ -201,7 +201,7 @@ def _log_fallback(processor: str, reason: str) -> None:
 def write_vision_rows(embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]) -> None:
     """Overwrite placeholder rows of the flat batch with the payloads' embedding columns
     (the first ``hidden`` of each payload row; extras are the model's business)."""
-    from triptych.engine.device_io import to_device
+    from triptych.engine.device.device_io import to_device
 
     hidden = embeds.shape[1]
     for row, payload in spans:  # (payloads received from the encode pool are on the host)

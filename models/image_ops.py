@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device.platform import cpu_kernels
 
 # PIL's codes of the filters the resize serves (kernels/cpu/image_resample.py's), here so
 # that importing this module (the API side does, whatever the model's device) imports no

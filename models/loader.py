@@ -72,8 +72,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str,
                                        shard_vision=shard_vision, parts=parts)
     model.load_weights(iter_weights(model_dir))
     model = model.eval().requires_grad_(False)
-    if cpu_weights and dtype == torch.float32:  # (a CPU engine's choice: engine/platform.py)
-        from triptych.engine.platform import cpu_kernels
+    if cpu_weights and dtype == torch.float32:  # (a CPU engine's choice: engine/device/platform.py)
+        from triptych.engine.device.platform import cpu_kernels
         from triptych.kernels.cpu.linear import available, pack_linears
 
         cpu_kernels()  # this CPU's kernels, chosen once per process (an engine chose at start)

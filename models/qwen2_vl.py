@@ -258,7 +258,8 @@ class Qwen2VLForCausalLM(nn.Module):
         gathers the slices)."""
         w = (self.language_model.embed_tokens.weight if self.tie_word_embeddings
              else self.lm_head.weight)
-        if self.pack_head:  # (set only for a CPU engine's packed weights: engine/platform.py)
+        # (set only for a CPU engine's packed weights: engine/device/platform.py)
+        if self.pack_head:
             # The head is the widest GEMM of a decode step (vocab ~152k): a packed copy of
             # the frozen weight (kernels/cpu/linear.py; the embedding keeps its own).
             if self._head_gemm is None:

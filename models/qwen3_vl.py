@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from triptych.engine.device_io import to_device
+from triptych.engine.device.device_io import to_device
 from triptych.kernels import get_ops, torch_ref
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triptych.engine.device_io import to_device
+from triptych.engine.device.device_io import to_device
 from triptych.kernels import get_ops
 from triptych.models.vision import (
     Qwen2VisionTransformer,

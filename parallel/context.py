@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from triptych.engine.model_runner import RunnerBroken
+from triptych.engine.runner.model_runner import RunnerBroken
 
 logger = logging.getLogger("triptych.tp")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 from triptych.config import EngineConfig, parse_size
-from triptych.engine.encoder_cache import EncoderCache
-from triptych.engine.encoder_runner import EncoderRunner
-from triptych.engine.cuda_graphs import GraphPlan, graph_plan
+from triptych.engine.encoder.encoder_cache import EncoderCache
+from triptych.engine.encoder.encoder_runner import EncoderRunner
+from triptych.engine.device.cuda_graphs import GraphPlan, graph_plan
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.loaded_model import LoadedModel
-from triptych.engine.memory import (
+from triptych.engine.sizing.memory import (
     encode_share,
     gib,
     kv_blocks_from_share,
@@ -34,8 +34,8 @@ from triptych.engine.memory import (
     share_flag,
     start_snapshot,
 )
-from triptych.engine.model_runner import ModelRunner
-from triptych.engine.model_shape import (
+from triptych.engine.runner.model_runner import ModelRunner
+from triptych.engine.sizing.model_shape import (
     ModelShape,
     check_batch_budget,
     kv_block_bytes,
@@ -44,7 +44,7 @@ from triptych.engine.model_shape import (
     resolve_device,
     resolve_max_model_len,
 )
-from triptych.engine.profile_run import (
+from triptych.engine.sizing.profile_run import (
     ProfileMeter,
     largest_image,
     max_image_tokens,
@@ -54,7 +54,7 @@ from triptych.engine.profile_run import (
     run_profile,
 )
 from triptych.engine.request import MMItem
-from triptych.engine.warmup import warm_up
+from triptych.engine.runner.warmup import warm_up
 from triptych.models.weight_parts import parts_for_pool, weight_bytes
 from triptych.parallel import wire as tp_wire
 from triptych.parallel.group import TPGroup, start_group
@@ -132,9 +132,9 @@ def read_checkpoint(config: EngineConfig, device: torch.device
                     ) -> tuple[Any, torch.dtype, str, ModelShape]:
     """The checkpoint's HF config, and the dtype, attention backend and shape it resolves
     to on ``device`` (every rank of a group reads the same): the device's choices are
-    ``engine/platform.py``'s."""
+    ``engine/device/platform.py``'s."""
     from transformers import AutoConfig
-    from triptych.engine.platform import platform_for
+    from triptych.engine.device.platform import platform_for
 
     hf = AutoConfig.from_pretrained(config.model, local_files_only=True)
     platform = platform_for(config, device, getattr(hf, "dtype", None))

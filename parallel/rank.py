@@ -50,10 +50,14 @@ def run_rank(spec: Any) -> None:
     import torch.distributed as dist
     import zmq
     from triptych.config import EngineConfig
-    from triptych.engine.memory import start_snapshot
-    from triptych.engine.model_runner import ModelRunner
-    from triptych.engine.model_shape import num_kv_blocks, resolve_cpu_weights, resolve_device
-    from triptych.engine.profile_run import ProfileMeter, profile_blocks
+    from triptych.engine.sizing.memory import start_snapshot
+    from triptych.engine.runner.model_runner import ModelRunner
+    from triptych.engine.sizing.model_shape import (
+        num_kv_blocks,
+        resolve_cpu_weights,
+        resolve_device,
+    )
+    from triptych.engine.sizing.profile_run import ProfileMeter, profile_blocks
     from triptych.kernels import get_ops
     from triptych.models import load_model
     from triptych.models.tp_plan import local_kv_heads
@@ -135,8 +139,8 @@ def _size_kv(config: Any, shape: Any, dtype: Any, size: int, ctx: Any, runner: A
              meter: Any) -> None:
     """SizeKV: the blocks this rank's share holds after what it measured, the group's
     smallest (rank 0 refuses below 2 blocks, naming the flag), allocated."""
-    from triptych.engine.memory import kv_blocks_from_share
-    from triptych.engine.model_shape import kv_block_bytes
+    from triptych.engine.sizing.memory import kv_blocks_from_share
+    from triptych.engine.sizing.model_shape import kv_block_bytes
     from triptych.models.tp_plan import local_kv_heads
 
     per_block = kv_block_bytes(shape, config.block_size, dtype,
@@ -173,7 +177,7 @@ def execute(cmd: Any, tensors: list[Any], ctx: Any, model: Any, runner: Any, sha
     from triptych.parallel.encoder_data import encode_data_parallel
     from triptych.parallel.patch_balance import PatchAssignment
     from triptych.parallel import wire as tp_wire
-    from triptych.engine.input_batch import StepInputs
+    from triptych.engine.runner.input_batch import StepInputs
     from triptych.parallel.runner import local_blocks
 
     if isinstance(cmd, tp_wire.Forward):

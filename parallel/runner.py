@@ -22,9 +22,9 @@ import torch
 from triptych.parallel.encoder_data import encode_data_parallel, rank_pixels
 from triptych.parallel.patch_balance import balance_by_patches
 from triptych.parallel import wire as tp_wire
-from triptych.engine.device_io import to_host
-from triptych.engine.input_batch import StepInputs
-from triptych.engine.model_runner import DeviceStep, ModelRunner
+from triptych.engine.device.device_io import to_host
+from triptych.engine.runner.input_batch import StepInputs
+from triptych.engine.runner.model_runner import DeviceStep, ModelRunner
 from triptych.parallel.group import TPGroup
 from triptych.parallel.context import TPGroupError
 

@@ -16,10 +16,10 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from triptych.engine.output_processor import OutputProcessor
 from triptych.engine.outputs import EngineCoreOutput
 from triptych.router.handle import WorkerHandle
 from triptych.router.migration import Migration
+from triptych.router.output_processor import OutputProcessor
 from triptych.router.pixel_planner import PixelPlanner
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Attempt, RequestTable

@@ -7,7 +7,7 @@
     0               P                D                P+D: prefill workers run the vision tower
     E               P                D                E+P+D
 
-On CUDA, ``gpu_memory_utilization`` is each worker's share of its device (engine/memory.py).
+On CUDA, ``gpu_memory_utilization`` is each worker's share of its device (engine/sizing/memory.py).
 The local workers of a layout share their GPUs (every worker's rank r on cuda:r), so their
 shares split the server's: ``GpuShares`` below; Ray places each rank on a GPU of its own.
 """
@@ -164,7 +164,7 @@ class Layout:
 
 
 def _on_cuda(config: EngineConfig) -> bool:
-    from triptych.engine.model_shape import resolve_device
+    from triptych.engine.sizing.model_shape import resolve_device
 
     return resolve_device(config.device).type == "cuda"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from triptych.router.prompt import ProcessedPrompt
 from triptych.engine.outputs import EngineCoreOutput
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.router.handle import WorkerHandle
 
 

@@ -32,16 +32,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from triptych.config import EngineConfig
-from triptych.engine.block_hash import chain_hashes
-from triptych.engine.output_processor import OutputProcessor
+from triptych.engine.kv.block_hash import chain_hashes
 from triptych.engine.outputs import RequestOutput
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.router.dispatch import Dispatcher
 from triptych.router.errors import EngineDeadError
 from triptych.router.handle import WorkerHandle
 from triptych.router.intake import Intake
 from triptych.router.layout import Layout
 from triptych.router.migration import MAX_MIGRATIONS, Migration
+from triptych.router.output_processor import OutputProcessor
 from triptych.router.prompt import ProcessedPrompt
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Child, ClientRequest, RequestTable

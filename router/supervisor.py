@@ -12,7 +12,7 @@
 
 Local workers that share a CUDA device (``gpu``: router/layout.py's GpuShares) start one at
 a time: a worker is started once no other is still starting, so each one finds the device
-as the previous ones left it (engine/memory.py refuses a share that is not free), and
+as the previous ones left it (engine/sizing/memory.py refuses a share that is not free), and
 prefill / decode workers get their share once the encode workers measured theirs. The CPU
 (and Ray, whose actors get GPUs of their own) start every worker at once.
 

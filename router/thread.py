@@ -21,7 +21,7 @@ from triptych.router.prompt import ProcessedPrompt
 from triptych.router.router import Router
 from triptych.config import EngineConfig
 from triptych.engine.outputs import RequestOutput
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

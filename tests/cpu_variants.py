@@ -1,10 +1,10 @@
 """The CPU kernels' instruction-set copies this machine runs, for the kernel tests: each
 test runs every copy the CPU runs (kernels/cpu/isa.py), so an AVX-512 box tests the AVX2
 and portable copies too; ``TRIPTYCH_CPU_ISA=avx2`` runs the whole suite as an AVX2-only
-box would (engine/cpu_features.py)."""
+box would (engine/device/cpu_features.py)."""
 from __future__ import annotations
 
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device.platform import cpu_kernels
 from triptych.kernels.cpu import isa
 
 KERNELS = cpu_kernels()  # the platform's choice for this CPU, as the engine makes it

@@ -16,7 +16,7 @@ visible, inside ``torch.inference_mode()`` as outside it (the engine's forward r
 - pageable copies: ``torch.tensor(data, device=...)`` and ``Tensor.to(device)`` of host
   data (the CPU plays the device here, so a ``.to`` onto the CPU is one of these too):
   on a GPU a copy from pageable memory, which waits. Host data reaches the device through
-  engine/device_io.py (one staged copy, or pinned + non_blocking), never this way.
+  engine/device/device_io.py (one staged copy, or pinned + non_blocking), never this way.
 
 Reads from Triton's own interpreter (``TRITON_INTERPRET=1`` copies kernel arguments to
 numpy) are not counted: on a GPU the kernel launches without them. Numpy arrays the engine

@@ -9,7 +9,7 @@ from triptych.connector import make_connector
 from triptych.decode.kv_receiver import KVReceiver
 from triptych.engine.engine_core import EngineCore
 from triptych.engine.request import MMItem, Request
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.prefill.kv_sender import KVSender
 from triptych.worker import wire
 

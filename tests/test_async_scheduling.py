@@ -2,7 +2,7 @@
 
 Step N+1 is scheduled, its inputs staged and its forward run before step N's sampled ids
 are read: a decode's input is then a token still "on the device", taken from step N's ids
-tensor by the runner (engine/model_runner.py), and the scheduler counts it as an output
+tensor by the runner (engine/runner/model_runner.py), and the scheduler counts it as an output
 placeholder (engine/scheduler.py). On the CPU the device is the host, so nothing overlaps,
 but every piece of the bookkeeping runs: the greedy ids (and seeded draws, logprobs,
 penalties, grammars, stops, images, chunks, prefix hits, preemption) must equal the
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 from triptych import LLM, SamplingParams
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
 from triptych.engine.scheduler import Scheduler
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "the", "dog", "who",
          "barked", "twice"]
@@ -142,11 +142,11 @@ def test_engine_steps_end_with_nothing_in_flight_for_a_live_request(tiny_qwen2_v
 
 
 def test_the_cuda_path_with_graph_replays_gives_the_synchronous_ids(tiny_qwen2_vl):
-    """The CUDA engine's path (engine/rehearsal.py: Triton under the interpreter, logits and
+    """The CUDA engine's path (engine/device/rehearsal.py: Triton under the interpreter, logits and
     the device sampler, packed staging) with decode steps replayed through the graph
     runner: the token in flight is written into the step's staged inputs on the device and
     copied into the graph's persistent buffers from there. Same ids as synchronous eager."""
-    from triptych.engine.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+    from triptych.engine.device.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
 
     prompts = _prompts(4)
     sp = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(4)]

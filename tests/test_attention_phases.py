@@ -195,7 +195,7 @@ def test_engine_steps_take_the_fresh_and_the_paged_path(tiny_qwen2_vl):
     chunked prompt and a prompt with prefix-cache hits through the paged kernel; greedy
     ids equal the torch engine's (paged everywhere)."""
     from triptych import LLM, SamplingParams
-    from triptych.engine.forward_context import get_forward_context
+    from triptych.engine.runner.forward_context import get_forward_context
 
     prompts = [list(range(10, 10 + n)) for n in (5, 9, 9, 21)]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from triptych import LLM, BeamSearchParams
-from triptych.engine.beam_search import BeamSearch
+from triptych.engine.sample.beam_search import BeamSearch
 from triptych.models.hf_oracle import hf_inputs, load_hf_model, no_eos
 
 sys.path.insert(0, os.path.dirname(__file__))

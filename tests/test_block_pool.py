@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from triptych.engine.block_hash import extend_block_hashes, hash_block
-from triptych.engine.block_pool import BlockPool
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.block_hash import extend_block_hashes, hash_block
+from triptych.engine.kv.block_pool import BlockPool
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import MMItem, Request
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], items: list[MMItem] | None = None) -> Request:

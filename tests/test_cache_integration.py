@@ -148,7 +148,7 @@ def test_disagreement_is_recovered(tiny_qwen2_vl):
 
     from triptych.router.router import Router
     from triptych.config import EngineConfig
-    from triptych.engine.sampling_params import SamplingParams as SP
+    from triptych.engine.sample.sampling_params import SamplingParams as SP
 
     llm = LLM(tiny_qwen2_vl, block_size=4)  # in-process: its processor and the reference
     prompt = llm.processor.process_chat(user(image_part(IMAGE), text_part("Hm?")))

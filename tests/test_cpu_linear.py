@@ -175,7 +175,7 @@ def test_cpu_gemm_knob_is_checked():
 
 def test_cpu_weight_format_follows_dtype_and_quantization():
     from triptych.config import EngineConfig
-    from triptych.engine.model_shape import resolve_cpu_weights
+    from triptych.engine.sizing.model_shape import resolve_cpu_weights
 
     cpu = torch.device("cpu")
     assert resolve_cpu_weights(EngineConfig(model="m"), cpu) == "float32"

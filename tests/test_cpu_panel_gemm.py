@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from triptych.engine.platform import cpu_argmax
+from triptych.engine.device.platform import cpu_argmax
 from triptych.kernels.cpu import panel_gemm as cpu_panel_gemm
 from triptych.kernels.cpu.linear import CpuGemm
 

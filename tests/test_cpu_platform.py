@@ -1,5 +1,6 @@
-"""The platform seam's CPU choices (engine/cpu_features.py, engine/platform.cpu_kernels) and
-the switch that makes an AVX-512 box choose as an AVX2-only one (``TRIPTYCH_CPU_ISA``):
+"""The platform seam's CPU choices (engine/device/cpu_features.py,
+engine/device/platform.cpu_kernels) and the switch that makes an AVX-512 box choose as an
+AVX2-only one (``TRIPTYCH_CPU_ISA``):
 
 - each level hides the flags it names and nothing else; a bad value is refused naming the
   variable; the libraries' own caps are exported unless the user set them;
@@ -19,8 +20,8 @@ import subprocess
 import sys
 
 import pytest
-from triptych.engine import cpu_features
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device import cpu_features
+from triptych.engine.device.platform import cpu_kernels
 from triptych.kernels.cpu import isa
 
 ZEN5 = {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
@@ -74,7 +75,7 @@ def test_the_switch_is_checked_and_the_users_own_caps_win():
 
 PROBE = """
 import json, torch, triptych
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device.platform import cpu_kernels
 from triptych.kernels.cpu.linear import CpuGemm
 k = cpu_kernels()
 g = torch.Generator().manual_seed(0)
@@ -112,7 +113,7 @@ def test_a_library_holds_every_variant_its_compiler_takes(tmp_path):
     cxx.chmod(0o755)
     got = _run("""
 import json, torch, triptych
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device.platform import cpu_kernels
 from triptych.kernels.cpu import gemv
 k = cpu_kernels()
 assert gemv.enabled()
@@ -128,7 +129,7 @@ print(json.dumps({"built": list(gemv._built()), "runs": gemv.variant_id(),
 REFUSE = """
 import json, torch, triptych
 from triptych.config import EngineConfig
-from triptych.engine.platform import resolve_cpu_weights
+from triptych.engine.device.platform import resolve_cpu_weights
 cpu = torch.device("cpu")
 out = {"fp32": resolve_cpu_weights(EngineConfig(model="m"), cpu)}
 try:

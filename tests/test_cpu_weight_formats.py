@@ -4,7 +4,7 @@ tokens and log-probs are those of the offline engine with the same weight format
 measurably not fp32's, so a knob lost on the way to the worker fails the test.
 
 Each format is served twice on a CPU with AVX-512: as it is, and under
-``TRIPTYCH_CPU_ISA=avx2`` (engine/cpu_features.py), where oneDNN's bf16 GEMM refuses as on
+``TRIPTYCH_CPU_ISA=avx2`` (engine/device/cpu_features.py), where oneDNN's bf16 GEMM refuses as on
 an AVX2-only CPU and the engine's own kernels serve the weights (the offline engine it is
 compared with runs under the same switch, in its own process)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from triptych.engine.platform import cpu_kernels
+from triptych.engine.device.platform import cpu_kernels
 from triptych.kernels.cpu import linear as cpu_linear
 
 sys.path.insert(0, os.path.dirname(__file__))

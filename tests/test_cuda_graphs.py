@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs (engine/cuda_graphs.py), held on the CPU where they can be.
+"""Decode steps as CUDA graphs (engine/device/cuda_graphs.py), held on the CPU where they can be.
 
 The bucket and padding rules and the knobs are functions, tested with numbers. The graph
 path itself (persistent buffers, padding rows, the decode kernel's fixed split count with
@@ -18,7 +18,7 @@ import torch
 
 from triptych import LLM, SamplingParams
 from triptych.config import EngineConfig
-from triptych.engine.cuda_graphs import bucket_for, capture_sizes, graph_plan
+from triptych.engine.device.cuda_graphs import bucket_for, capture_sizes, graph_plan
 
 pytest.importorskip("triton")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-from triptych.engine.detokenizer import IncrementalDetokenizer
+from triptych.router.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +83,12 @@ def test_bulk_decode_equals_incremental_on_random_ids(tok):
 
 
 def test_outputs_carry_deltas_not_copies_of_the_whole_output(tok):
-    """OutputProcessor (engine/output_processor.py): each step's output carries the ids it
+    """OutputProcessor (router/output_processor.py): each step's output carries the ids it
     adds (and their logprobs as the tail of the list); the whole lists are the completion's
     own, never a copy per step (that was quadratic in the output's length)."""
-    from triptych.engine.output_processor import OutputProcessor
     from triptych.engine.outputs import EngineCoreOutput
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
+    from triptych.router.output_processor import OutputProcessor
 
     text = "héllo 日本語 ✓ the quick brown fox"
     ids = tok.encode(text)

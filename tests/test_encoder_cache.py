@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triptych.engine.encoder_cache import EncoderCache
-from triptych.engine.encoder_runner import EncoderRunner
+from triptych.engine.encoder.encoder_cache import EncoderCache
+from triptych.engine.encoder.encoder_runner import EncoderRunner
 from triptych.engine.request import MMItem
 
 torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """The in-process engine lets go of its device memory: ``LLM.close()`` (and ``with LLM(...)``)
 drops the model, the KV cache and the encoder cache, so a second engine in the process
 starts with the whole share; and the profile run that sizes a CUDA cache runs here, on the
-CPU, through the real runner and leaves nothing behind (engine/profile_run.py)."""
+CPU, through the real runner and leaves nothing behind (engine/sizing/profile_run.py)."""
 from __future__ import annotations
 
 import gc
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 from triptych import LLM, SamplingParams
-from triptych.engine.profile_run import (
+from triptych.engine.sizing.profile_run import (
     largest_image,
     max_image_tokens,
     profile_blocks,
@@ -97,8 +97,8 @@ def test_profile_step_runs_at_the_limits_and_leaves_nothing(tiny_qwen2_vl):
 def test_text_only_profile_fills_the_budget(tiny_qwen2_vl):
     from transformers import AutoConfig
     from triptych.config import EngineConfig
-    from triptych.engine.model_shape import ModelShape
     from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+    from triptych.engine.sizing.model_shape import ModelShape
 
     hf = AutoConfig.from_pretrained(tiny_qwen2_vl, local_files_only=True)
     cfg = EngineConfig(model=tiny_qwen2_vl, max_num_batched_tokens=100, max_num_seqs=7)

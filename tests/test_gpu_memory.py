@@ -1,4 +1,4 @@
-"""GPU memory sizing as numbers (engine/memory.py), the pools' shares of one GPU
+"""GPU memory sizing as numbers (engine/sizing/memory.py), the pools' shares of one GPU
 (router/layout.py GpuShares) and workers sharing a device starting in turn
 (router/supervisor.py). Everything here runs on the CPU: CUDA appears only as a device name
 (``torch.device("cuda")`` touches no GPU)."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from triptych.config import EngineConfig
-from triptych.engine.memory import (
+from triptych.engine.sizing.memory import (
     GIB,
     MemorySnapshot,
     Usage,
@@ -22,7 +22,7 @@ from triptych.engine.memory import (
     share_flag,
     usage_after_profile,
 )
-from triptych.engine.model_shape import ModelShape, kv_block_bytes, num_kv_blocks
+from triptych.engine.sizing.model_shape import ModelShape, kv_block_bytes, num_kv_blocks
 from triptych.router.handle import WorkerHandle
 from triptych.router.layout import GpuShares, Layout
 from triptych.router.supervisor import Supervisor

@@ -1,7 +1,7 @@
 """GPU memory on a real CUDA device (skipped without one): pools sharing one GPU start with
 the default memory knobs and give HF's greedy ids; engines in sequence in one process each
 get the whole share; a share that is not free is refused in one line; kv_cache_memory is
-honoured. The GPU check script runs this file (engine/memory.py, router/layout.py)."""
+honoured. The GPU check script runs this file (engine/sizing/memory.py, router/layout.py)."""
 from __future__ import annotations
 
 import numpy as np

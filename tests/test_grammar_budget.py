@@ -1,15 +1,15 @@
 """A structured-output request whose grammar work outgrows its share of the step is ended
 alone (issue 42, row 2): an ambiguous EBNF grammar compiles at once, then its matcher costs
 more per token as the output grows (~300 ms a token by token 170 here), inside the batch
-step every request waits for. The budget (engine/grammar_budget.py) ends it with an error
+step every request waits for. The budget (engine/structured/grammar_budget.py) ends it with an error
 naming --max-grammar-step-ms; its batch-mates run to the end; an operator's larger
 allowance lets the same request run."""
 from __future__ import annotations
 
 import pytest
 from triptych import LLM, SamplingParams
-from triptych.engine.grammar_budget import STRIKES, GrammarBudget
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.grammar_budget import STRIKES, GrammarBudget
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 AMBIGUOUS = 'root ::= s\ns ::= s s s | s s | "a" | ""'
 

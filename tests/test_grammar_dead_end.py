@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from triptych import LLM, SamplingParams
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 NO_WAY_ON = 'root ::= "a" b\nb ::= b'
 

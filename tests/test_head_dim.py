@@ -62,7 +62,7 @@ def test_a_head_dim_that_differs_is_refused_as_hf_cannot_run_it(tiny_qwen2_vl, t
     with pytest.raises(RuntimeError):  # ... and its rotary tables the stated one
         hf(input_ids=torch.tensor([[1, 2, 3]]))
     from transformers import AutoConfig
-    from triptych.engine.model_shape import ModelShape
+    from triptych.engine.sizing.model_shape import ModelShape
 
     with pytest.raises(ValueError, match=rf"head_dim \({2 * derived}\) differs from "
                                          rf"hidden_size / num_attention_heads \({derived}\)"):

@@ -1,6 +1,6 @@
 """The GPU step's contract, held on the CPU: no device read inside the forward, one per step.
 
-The engine runs the CUDA engine's path (engine/rehearsal.py: the Triton kernels under
+The engine runs the CUDA engine's path (engine/device/rehearsal.py: the Triton kernels under
 TRITON_INTERPRET=1, ``F.linear`` in the model's dtype, logits and the device sampler, the
 step's arrays packed into one staged buffer, decode steps through the CUDA graph runner,
 async scheduling) over a batch whose requests join and leave: mixed steps (prompts chunked
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from triptych import LLM, SamplingParams
-from triptych.engine.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
+from triptych.engine.device.rehearsal import REHEARSAL_KNOBS, rehearse_cuda
 from triptych.models.hf_oracle import hf_chat_greedy, load_hf_model, load_hf_processor
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -197,7 +197,7 @@ def test_triton_engine_equals_hf(llm, tiny_qwen2_vl):
 def test_staging_and_fetch_pack_arrays_into_one_buffer():
     """The GPU's packing (one buffer each way, 16-byte aligned views), run on the CPU."""
     import numpy as np
-    from triptych.engine.device_io import HostFetch, StepStaging
+    from triptych.engine.device.device_io import HostFetch, StepStaging
 
     staging = StepStaging(torch.device("cpu"), pack=True)
     arrays = [np.arange(5, dtype=np.int64), np.ones((3, 2), np.float32),
@@ -224,7 +224,7 @@ def test_staging_and_fetch_pack_arrays_into_one_buffer():
 
 
 def test_a_gpu_engine_never_imports_the_cpu_kernels():
-    """The device seam (engine/platform.py): every module a CUDA engine runs (the API, the
+    """The device seam (engine/device/platform.py): every module a CUDA engine runs (the API, the
     router, the pools, the loader, every model) imports nothing from kernels/cpu/ (packed
     weights, the panel GEMM and its argmax, the GEMV, the fused ops and their C++ builds);
     only a CPU engine's choices reach them."""
@@ -235,7 +235,7 @@ def test_a_gpu_engine_never_imports_the_cpu_kernels():
         "import triptych.llm, triptych.api.server, triptych.parallel.loader\n"
         "import triptych.encode.worker, triptych.prefill.worker, triptych.decode.worker\n"
         "import triptych.models.qwen2_vl, triptych.models.qwen3_vl, triptych.models.internvl\n"
-        "from triptych.engine.platform import sampler_argmax\n"
+        "from triptych.engine.device.platform import sampler_argmax\n"
         "import torch\n"
         "assert sampler_argmax(torch.device('cuda')).__name__ == 'torch_argmax'\n"
         "print(sorted(m for m in sys.modules if m.startswith('triptych.kernels.cpu')))\n")

@@ -3,9 +3,9 @@ new, decoding, imported (KV computed elsewhere) and resumed (preempted) requests
 from __future__ import annotations
 
 import numpy as np
-from triptych.engine.input_batch import InputBatch
 from triptych.engine.request import MMItem, Request
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.runner.input_batch import InputBatch
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.models.mrope import compute_mrope_positions
 
 BS = 4

@@ -1,4 +1,4 @@
-"""KV blocks by id (engine/model_runner.py read_blocks / write_blocks): what a prefill
+"""KV blocks by id (engine/runner/model_runner.py read_blocks / write_blocks): what a prefill
 worker exports and a decode worker imports, through the import staging's one buffer.
 
 On the CPU the staging packs too when asked (the GPU's layout: ids and blocks in one
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from triptych import LLM
-from triptych.engine.device_io import StepStaging
+from triptych.engine.device.device_io import StepStaging
 
 
 def _round_trip(runner, gen) -> None:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from triptych.decode.worker import DecodeWorker
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.prefill.worker import PrefillWorker
 from triptych.worker import wire
 from triptych.worker.loop import WorkerSpec, _receive

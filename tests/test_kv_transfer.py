@@ -12,7 +12,7 @@ import pytest
 import torch
 from triptych.decode.worker import DecodeWorker
 from triptych.worker import wire
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.worker.loop import WorkerSpec, _receive
 from triptych.prefill.worker import PrefillWorker
 

@@ -156,7 +156,7 @@ def test_rank_death_during_message_handling_ends_the_worker():
 
 
 def _params():
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1)
 

@@ -13,8 +13,12 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from triptych.engine.request import MMItem
+from triptych.engine.runner.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+)
 from triptych.kernels import get_ops
 from triptych.kernels.cpu.linear import available as cpu_linear_available
 from triptych.models import compute_mrope_positions, load_model

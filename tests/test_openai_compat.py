@@ -439,7 +439,7 @@ def test_slow_media_urls_meet_their_deadline_and_do_not_delay_text(client, serve
 # -- units: the pieces behind the server ----------------------------------------------------
 def test_sampler_logit_bias():
     import torch
-    from triptych.engine.sampler import Sampler
+    from triptych.engine.sample.sampler import Sampler
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     out = Sampler()(logits, ["a"], [sp(logit_bias={2: 5.0}, logprobs=1)])
     assert out.token_ids == [2]

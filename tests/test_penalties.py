@@ -1,4 +1,5 @@
-"""Penalties, min-p and the no-repeat n-gram guard (engine/penalties.py, engine/sampler.py).
+"""Penalties, min-p and the no-repeat n-gram guard (engine/sample/penalties.py,
+engine/sample/sampler.py).
 
 Units: the batched ops on mixed rows (some penalised, some not) against a per-row
 reference written out here, the state's rebuild on (re)join, the free path, min-p against
@@ -23,10 +24,10 @@ from transformers.generation.logits_process import (
 )
 
 from triptych import LLM, SamplingParams
-from triptych.engine.input_batch import InputBatch
-from triptych.engine.penalties import PenaltyState
+from triptych.engine.runner.input_batch import InputBatch
+from triptych.engine.sample.penalties import PenaltyState
 from triptych.engine.request import Request
-from triptych.engine.sampler import Sampler, min_p_filter
+from triptych.engine.sample.sampler import Sampler, min_p_filter
 from triptych.models.hf_oracle import hf_inputs, load_hf_model, no_eos
 
 SP = SamplingParams
@@ -285,12 +286,12 @@ def test_seeded_min_p_sampling_stays_above_the_threshold(tiny_qwen2_vl):
 
 
 def test_ngram_guard_index_equals_a_scan_of_the_window():
-    """The guard's index (updated token by token, engine/ngram_guard.py) bans exactly
+    """The guard's index (updated token by token, engine/sample/ngram_guard.py) bans exactly
     what a scan of the window bans, for every n, window and whitelist, at every length:
     its step cost no longer grows with the window or n, its answers must not change."""
     import random
 
-    from triptych.engine.ngram_guard import NgramGuard
+    from triptych.engine.sample.ngram_guard import NgramGuard
 
     rng = random.Random(0)
     for _ in range(300):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from triptych.engine.sampler import Sampler
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampler import Sampler
+from triptych.engine.sample.sampling_params import SamplingParams
 
 
 def test_greedy_and_logprobs():

@@ -1,9 +1,9 @@
 """Scheduler at tiny sizes: budget, decodes first, chunking, preemption order."""
 from __future__ import annotations
 
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler
 
 

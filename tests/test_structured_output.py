@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import pytest
 from triptych import LLM, SamplingParams
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 sys.path.insert(0, os.path.dirname(__file__))
 import openai
@@ -246,9 +246,9 @@ def test_a_rejoining_request_replays_its_tokens_into_a_fresh_matcher(tiny_qwen2_
     the replay equals the mask of a matcher that saw every step."""
     import torch
     from transformers import AutoTokenizer
-    from triptych.engine.grammar import GrammarState
-    from triptych.engine.grammar_compiler import GrammarCompiler
     from triptych.engine.request import Request
+    from triptych.engine.structured.grammar import GrammarState
+    from triptych.engine.structured.grammar_compiler import GrammarCompiler
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_vl)
     vocab = 640  # logits may be wider than the tokenizer (padded embeddings)

@@ -37,7 +37,7 @@ def test_worker_survives_wire_garbage(tiny_qwen2_vl):
     garbage is dropped or refused per request, and the worker still serves afterwards."""
     from triptych.decode.worker import DecodeWorker
     from triptych.worker import wire
-    from triptych.engine.sampling_params import SamplingParams
+    from triptych.engine.sample.sampling_params import SamplingParams
     from triptych.worker.loop import WorkerSpec, _receive
 
     spec = WorkerSpec(worker_id="decode-0#0", pool="decode", router_address="ipc:///nowhere",

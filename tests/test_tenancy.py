@@ -24,7 +24,7 @@ from server_fixtures import (
     wait_for,
 )
 from triptych.api.tenancy import KeyFileError, cache_scope, read_keys_file
-from triptych.engine.block_hash import chain_hashes
+from triptych.engine.kv.block_hash import chain_hashes
 
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-0123456789"}
 ADMIN = "key-admin-0123456789"  # --api-key: the anonymous tenant

@@ -1,4 +1,4 @@
-"""The start-up warm-up (engine/warmup.py): the step shapes the first requests meet run
+"""The start-up warm-up (engine/runner/warmup.py): the step shapes the first requests meet run
 once before any request, so no user's step compiles a Triton variant.
 
 Under the interpreter nothing compiles, but each launch names its variant (the kernel and
@@ -52,7 +52,7 @@ def _first_requests(llm: LLM) -> list[list[int]]:
 
 
 def test_the_warm_up_launches_every_variant_the_first_requests_use(tiny_qwen2_vl, launches):
-    from triptych.engine.warmup import warm_up
+    from triptych.engine.runner.warmup import warm_up
     from triptych.parallel.loader import text_token
 
     assert os.environ.get("TRITON_INTERPRET") == "1"

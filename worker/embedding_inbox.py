@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from triptych.engine.encoder_cache import EncoderCache
+from triptych.engine.encoder.encoder_cache import EncoderCache
 from triptych.engine.request import MMItem
 
 logger = logging.getLogger("triptych.prefill")

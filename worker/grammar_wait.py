@@ -1,7 +1,7 @@
 """GrammarWait: requests parked in a worker until their grammar has compiled.
 
 A structured-output request's grammar compiles on the engine core's compiler threads
-(``engine/grammar_compiler.py``), never inside a step: the AddRequest waits here, the
+(``engine/structured/grammar_compiler.py``), never inside a step: the AddRequest waits here, the
 loop keeps stepping the rest of the batch, and the worker's housekeeping admits the
 request once its compile is done (a cache hit when the grammar was seen before: no wait).
 """

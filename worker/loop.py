@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from triptych.engine.model_runner import RunnerBroken
+from triptych.engine.runner.model_runner import RunnerBroken
 from triptych.worker import wire
 from triptych.worker.allocator import StepTrim
 from triptych.worker.heartbeat import HeartbeatThread
@@ -160,7 +160,7 @@ def run_worker(spec: WorkerSpec, make_handler: Callable[[WorkerSpec], Handler]) 
         signal.signal(signal.SIGUSR1, _on_parent_death)
         _die_with_parent()
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from triptych.engine.platform import applies_host_policies
+    from triptych.engine.device.platform import applies_host_policies
     from triptych.worker.threads import apply_thread_policy
 
     # CPU workers take the thread and allocator policies; a GPU worker keeps torch's own

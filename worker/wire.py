@@ -25,7 +25,7 @@ import math
 import msgspec
 import torch
 from triptych.engine.outputs import EngineCoreOutput
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.mmcache.shm_ring import ShmItemRef
 
 MAX_FRAME_BYTES = 256 << 20  # one frame at most: a bigger tensor spans several (frames_of)

@@ -109,7 +109,7 @@ def prep_workers(flag: int, device: str) -> int:
     beside a GPU engine."""
     if flag >= 0:
         return flag
-    from triptych.engine.platform import resolve_device
+    from triptych.engine.device.platform import resolve_device
 
     if resolve_device(device).type == "cpu":
         return 1

@@ -12,7 +12,7 @@ to ``Image.fromarray(rgb).resize((width, height), resample)``. How:
   Pillow's rounding;
 - the two passes are Pillow's integer passes (the C++ library: one copy per instruction
   set, ``isa.py``; each call runs the copy the platform chose, so the process must have
-  called ``engine.platform.cpu_kernels()`` first, as ``image_ops.resize_u8`` does; every
+  called ``engine.device.platform.cpu_kernels()`` first, as ``image_ops.resize_u8`` does; every
   copy computes the same integers), in Pillow's order:
   Pillow 13 runs the vertical pass first when the height shrinks by more than twice what
   the width does (before 13: always horizontal first). Each pass rounds to 8 bits, so the

@@ -12,7 +12,7 @@ the variant it runs. The variants are ordered: each needs every CPU flag of the 
     avx512_bf16   + -mavx512bf16 -mavx512vnni       + avx512_bf16 avx512_vnni
 
 Which variant runs, and which kernel serves each weight format, is the platform's decision
-(``engine/platform.py`` reads the CPU once and calls ``choose``): this package never reads
+(``engine/device/platform.py`` reads the CPU once and calls ``choose``): this package never reads
 CPU flags itself. A kernel called before the platform has chosen raises, naming what to call.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def best_variant(cpu_flags: frozenset[str] | set[str]) -> str:
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The platform's choice for this CPU (``engine/platform.cpu_kernels``)."""
+    """The platform's choice for this CPU (``engine/device/platform.cpu_kernels``)."""
 
     variant: str  # the best variant this CPU runs (a library built without it runs the next)
     # the batched (more rows than the GEMV's) path of each weight format: panels (ours,
@@ -72,7 +72,7 @@ def choose(kernels: CpuKernels) -> None:
 def chosen() -> CpuKernels:
     if _chosen is None:
         raise RuntimeError("the CPU kernels run the variant the platform chose for this CPU: "
-                           "call triptych.engine.platform.cpu_kernels() first")
+                           "call triptych.engine.device.platform.cpu_kernels() first")
     return _chosen
 
 

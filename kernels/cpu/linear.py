@@ -3,7 +3,7 @@
 ``pack_linears(model, fmt)`` runs after a model is loaded on the CPU in fp32: every
 ``nn.Linear`` of the model (fused q|k|v and gate|up included) keeps its weight packed in
 the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
-``engine/model_shape.resolve_cpu_weights``); activations stay fp32 around every GEMM:
+``engine/sizing/model_shape.resolve_cpu_weights``); activations stay fp32 around every GEMM:
 
   fmt       weight bytes  kernel (a maintained library's, through torch)
   float32   4             oneDNN inner product on a weight reordered to its blocked layout
@@ -16,7 +16,7 @@ the format ``fmt`` (``--dtype`` / ``--quantization`` on the CPU, see
                           accumulation, fp32 out
 
 Where the platform chose panels for a format (``isa.CpuKernels.batched``, decided per CPU
-in engine/platform.py: fp32 wherever AVX2 runs; bf16 where oneDNN's bf16 GEMM does not,
+in engine/device/platform.py: fp32 wherever AVX2 runs; bf16 where oneDNN's bf16 GEMM does not,
 i.e. without AVX-512, its weight widened in registers) our panel GEMM
 (``kernels/cpu/panel_gemm.py``) replaces the library for calls above the GEMV's rows (its
 panels replace the library's packed copy; ``TRIPTYCH_CPU_PANEL_GEMM=0`` keeps the library

@@ -8,7 +8,7 @@ products, x rounded to bf16 as oneDNN's bf16 path does), AVX2 6 x 16 (bf16 weigh
 in registers, x in fp32), fp32 out. ``kernels/cpu_linear.CpuGemm`` uses it where the
 platform chose panels for a format (``isa.CpuKernels.batched``: fp32 wherever AVX2 runs,
 bf16 where oneDNN's bf16 does not; docs/performance.md, "Batch 32" and "AVX2-only CPUs").
-``argmax(logits)`` is the sampler's greedy fast path (engine/sampler.py).
+``argmax(logits)`` is the sampler's greedy fast path (engine/sample/sampler.py).
 
 Built on first use by ``cpu_build`` (one copy per instruction set, ``isa.py``); without a
 compiler the libraries run. ``TRIPTYCH_CPU_PANEL_GEMM=0`` (env, read when a layer is packed)

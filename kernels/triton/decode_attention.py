@@ -17,7 +17,7 @@ With one split (big batches) the first kernel normalises and writes the output i
 The partition is a runtime argument, not a constexpr: the split count changes as contexts
 grow, and a constexpr would recompile the kernel for every new value.
 
-Inside a CUDA graph (engine/cuda_graphs.py) no launch parameter may change between
+Inside a CUDA graph (engine/device/cuda_graphs.py) no launch parameter may change between
 replays: the split count is fixed per captured batch size (``num_splits``) and the
 partition is read from device memory (``partition_ptr``, written with the step's inputs),
 so one graph serves every context length with all its splits busy. A row of length 0 (a
@@ -149,7 +149,7 @@ def choose_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int, sms
     one tile (the merge and launch overhead win there), none longer than MAX_PARTITION.
 
     A CUDA graph fixes this per captured batch size, with ``max_len`` the longest context
-    the engine allows (engine/cuda_graphs.py)."""
+    the engine allows (engine/device/cuda_graphs.py)."""
     splits = triton.cdiv(3 * sms, batch * num_kv_heads)
     splits = min(splits, triton.cdiv(max_len, block_n))
     return max(splits, triton.cdiv(max_len, MAX_PARTITION), 1)

@@ -1,7 +1,7 @@
 // Small fused ops of the CPU decoder layer: one op (one pass, no temporaries) where the
 // torch reference issues several. Registered as torch.ops.triptych_fused.*; built on first
 // use by kernels/cpu/build.py with one copy of kernels.cpp per instruction-set variant; the
-// calls name the variant (kernels/cpu/isa.py, chosen by engine/platform.py). Python side and
+// calls name the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py). Python side and
 // fallbacks: kernels/cpu/fused_ops.py.
 //
 //   add_rms_norm(x [T, C], residual? [T, C], weight [C], eps) -> (y, x + residual)

@@ -2,7 +2,7 @@
 // few rows M, W row-major in fp32, bf16, fp16 or int8 (one fp32 scale per output row), x
 // and y fp32. Registered as torch.ops.triptych_gemv.{gemv, variants}; built on first use
 // by kernels/cpu/build.py with one copy of kernels.cpp per instruction-set variant; the
-// call names the variant (kernels/cpu/isa.py, chosen by engine/platform.py).
+// call names the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py).
 //
 // int8: each x row is quantized here to 8 bits (symmetric, [-127, 127], one scale per row)
 // and the variant multiplies in exact int32 sums (kernels.cpp).

@@ -2,7 +2,7 @@
 // in place from their cache blocks through the block table. Registered as
 // torch.ops.triptych_cpu.{paged_decode_attention, variants}; built on first use by
 // kernels/cpu/build.py with one copy of kernels.cpp per instruction-set variant; the call
-// names the variant (kernels/cpu/isa.py, chosen by engine/platform.py).
+// names the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py).
 //
 //   q:            [B, H, D]                     fp32 / bf16 / fp16, rows contiguous
 //   k/v_cache:    [num_blocks, bs, Hkv, D]      same dtype as q, contiguous

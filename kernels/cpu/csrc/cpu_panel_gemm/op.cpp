@@ -1,7 +1,7 @@
 // Batched CPU GEMM on a panel-packed weight, and a row argmax, as torch ops. Registered as
 // torch.ops.triptych_panel.{variants, pack, gemm, gemm_argmax, argmax}; built on first use
 // by kernels/cpu/build.py with one copy of kernels.cpp per instruction-set variant; every
-// call but pack names the variant (kernels/cpu/isa.py, chosen by engine/platform.py).
+// call but pack names the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py).
 //
 //   pack(w [N, K] fp32, bf16) -> panels: W cut into panels of 16 output columns, each
 //       stored K-major: fp32 [ceil(N/16), K, 16]; bf16 [ceil(N/16), ceil(K/2), 16, 2]

@@ -2,7 +2,7 @@
 // preprocessing path (triptych/models/image_ops.py, kernels/cpu/image_resample.py).
 // Registered as torch.ops.triptych_image.{resample_rows, resample_cols, variants}; built on
 // first use by kernels/cpu/build.py with one copy of kernels.cpp per instruction-set
-// variant; the calls name the variant (kernels/cpu/isa.py, chosen by engine/platform.py).
+// variant; the calls name the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py).
 //
 //   resample_rows(src [H, L] u8, bounds [out, 2] i32, weights [out, taps] i32, variant)
 //       -> [out, L] u8: the vertical pass over rows of L = width * channels samples

@@ -1,5 +1,5 @@
 """The profile run: one step at the limits, to measure the memory a worker needs besides its
-KV cache (engine/memory.py does the arithmetic). vLLM v1's ``profile_run``, on our runner:
+KV cache (engine/sizing/memory.py does the arithmetic). vLLM v1's ``profile_run``, on our runner:
 
     request 0       the largest image the limits allow, then one text token; the step
                     computes as much of it as the budget leaves (the tower runs over the
@@ -27,11 +27,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from triptych.engine.encoder_cache import EncoderCache
-from triptych.engine.memory import MemorySnapshot, Usage, usage_after_profile
+from triptych.engine.encoder.encoder_cache import EncoderCache
 from triptych.engine.request import MMItem, Request
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.engine.scheduler import PROMPT_LOGPROBS_CHUNK, SchedulerOutput
+from triptych.engine.sizing.memory import MemorySnapshot, Usage, usage_after_profile
 
 PROFILE_ID = "~profile-"  # never a request id of the router or LLM
 MAX_IMAGE_PIXELS = 32_000_000  # api/media/limits.py's max_image_pixels: larger is refused

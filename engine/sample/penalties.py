@@ -10,7 +10,7 @@ output count of each, in two growing arrays (a dict maps an id to its place):
 
     ids:      [ 17   4  903  52 ...]   prompt ids first, then new ids as they are sampled
     counts:   [  0   2    1   0 ...]   times output (0: prompt only)
-    (and, with the n-gram guard, its index of the output: engine/ngram_guard.py)
+    (and, with the n-gram guard, its index of the output: engine/sample/ngram_guard.py)
 
 A step gathers the logits at every row's ids (one flat index over all penalised rows),
 applies the penalties to those values and scatters them back: its cost follows the
@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from triptych.engine.ngram_guard import NgramGuard
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.ngram_guard import NgramGuard
+from triptych.engine.sample.sampling_params import SamplingParams
 
 
 class _Entry:
@@ -176,7 +176,7 @@ def apply_penalties(logits: torch.Tensor, pt: PenaltyTensors) -> torch.Tensor:
 def _ngram_bans(ngram: list[tuple[int, _Entry]], vocab: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(batch rows, token ids) that would repeat an n-gram of the row's output, or None.
-    Each row's guard (engine/ngram_guard.py) answers from its index: the step's cost
+    Each row's guard (engine/sample/ngram_guard.py) answers from its index: the step's cost
     does not grow with a row's n, window or whitelist."""
     rows: list[int] = []
     toks: list[int] = []

@@ -1,6 +1,6 @@
 """ModelRunner: a SchedulerOutput in, sampled token ids out.
 
-It owns the KV cache tensors and a persistent ``InputBatch`` (engine/input_batch.py) that
+It owns the KV cache tensors and a persistent ``InputBatch`` (engine/runner/input_batch.py) that
 holds each scheduled request's token ids, counters and block table across steps; a step
 syncs the batch with the scheduler's decision (join, leave, new blocks), flattens it with
 a few vectorised ops and runs the model once:
@@ -35,18 +35,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.cuda_graphs import CudaGraphRunner
-from triptych.engine.device_io import HostFetch, StepStaging, to_device, to_host
-from triptych.engine.encoder_runner import EncoderRunner
-from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from triptych.engine.grammar import apply_bitmask
-from triptych.engine.input_batch import InputBatch, StepInputs
-from triptych.engine.platform import sampler_argmax
-from triptych.engine.prompt_logprobs import record_prompt_logprobs
+from triptych.engine.device.cuda_graphs import CudaGraphRunner
+from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
+from triptych.engine.device.platform import sampler_argmax
+from triptych.engine.encoder.encoder_runner import EncoderRunner
 from triptych.engine.request import MMItem
-from triptych.engine.sampler import Argmax, Sampler, to_output
-from triptych.engine.scheduler import SchedulerOutput
-from triptych.engine.step_state import (
+from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
+                                                     forward_context)
+from triptych.engine.runner.input_batch import InputBatch, StepInputs
+from triptych.engine.runner.prompt_logprobs import record_prompt_logprobs
+from triptych.engine.runner.step_state import (
     NO_ARRAYS,
     DeviceStep,
     GreedyIds,
@@ -57,6 +55,9 @@ from triptych.engine.step_state import (
     device_inputs,
     in_flight_rows,
 )
+from triptych.engine.sample.sampler import Argmax, Sampler, to_output
+from triptych.engine.scheduler import SchedulerOutput
+from triptych.engine.structured.grammar import apply_bitmask
 
 
 class RunnerBroken(Exception):
@@ -165,7 +166,7 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, sizes: list[int], max_model_len: int) -> int:
         """Capture the decode forward for these batch sizes over the current KV cache;
-        returns the bytes the graphs hold (engine/cuda_graphs.py)."""
+        returns the bytes the graphs hold (engine/device/cuda_graphs.py)."""
         num_layers, block_size, num_kv_heads, head_dim = self._kv_layout
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.ops, sizes,
                                       max_model_len, block_size, num_kv_heads, head_dim,
@@ -188,7 +189,7 @@ class ModelRunner:
     def stage(self, inp: StepInputs, extra: list[np.ndarray] | None = None,
               graph_bucket: int | None = None) -> DeviceStep:
         """The step's inputs (and ``extra`` host arrays: the sampler's) on the device, with
-        one host-to-device copy (engine/device_io.py; on the CPU, views of the arrays).
+        one host-to-device copy (engine/device/device_io.py; on the CPU, views of the arrays).
         ``graph_bucket``: the step replays that decode graph (its partition rides along)."""
         extra = list(extra or [])
         logits_index = inp.logits_index

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("triptych.grammar")
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (P0) / fails (worker)

@@ -5,7 +5,7 @@ import math
 from typing import Any
 
 import msgspec
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap
@@ -33,7 +33,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True  # drop special tokens from the output text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
-    # Penalties (engine/penalties.py): applied after logit_bias, before temperature.
+    # Penalties (engine/sample/penalties.py): applied after logit_bias, before temperature.
     presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already output
     frequency_penalty: float = 0.0  # [-2, 2]: subtracted per earlier output of the token
     repetition_penalty: float = 1.0  # > 0: logits of prompt and output tokens divided (> 0)
@@ -50,7 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # with API keys): salts the first block's hash, so only requests with the same value
     # share cached KV. The server sets it; None = the shared cache.
     cache_salt: str | None = None
-    # Structured output (engine/grammar.py): the output must match this schema / regex /
+    # Structured output (engine/structured/grammar.py): the output must match this schema / regex /
     # choice / grammar; None = unconstrained
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -158,7 +158,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def penalised(self) -> bool:
-        """Whether this request needs token history at sampling time (engine/penalties.py);
+        """Whether this request needs token history at sampling time (engine/sample/penalties.py);
         requests without it cost the batch nothing."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0)

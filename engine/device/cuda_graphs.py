@@ -9,7 +9,7 @@ per padded batch size, replayed with the step's inputs copied into persistent bu
         the step's; the LM head runs after the replay on those B rows only
 
 A captured launch cannot depend on anything that changes between replays: no device value
-is read by the host (engine/device_io.py), the batch size is the bucket's, and the decode
+is read by the host (engine/device/device_io.py), the batch size is the bucket's, and the decode
 attention's split count is fixed per bucket (``choose_splits`` at the engine's longest
 context). Its partition, which follows this step's longest context, is read by the kernel
 from a persistent device scalar that the step's one copy brings.
@@ -32,7 +32,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from triptych.engine.runner.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+)
 
 logger = logging.getLogger("triptych.cuda_graphs")
 
@@ -143,7 +147,7 @@ class CudaGraphRunner:
         """Warm up and capture every size, largest first, into one pool; returns the bytes
         the graphs hold and logs them with the time taken.
 
-        Off CUDA (the CPU's rehearsal of the GPU path, engine/rehearsal.py) the same
+        Off CUDA (the CPU's rehearsal of the GPU path, engine/device/rehearsal.py) the same
         warm-up forwards run and every later "replay" runs ``forward`` eagerly over the
         same persistent buffers: all but the capture itself."""
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ class AttentionMetadata:
     cu_seqlens_q_cpu: np.ndarray | None = None
     seq_lens_cpu: np.ndarray | None = None
     padded: bool | None = None  # None: unknown (looked up on the device)
-    # A CUDA graph's decode launch (engine/cuda_graphs.py): the split count fixed for the
+    # A CUDA graph's decode launch (engine/device/cuda_graphs.py): the split count fixed for the
     # captured batch size, and the tokens per split in a 1-element device tensor
     decode_splits: int | None = None
     decode_partition: torch.Tensor | None = None

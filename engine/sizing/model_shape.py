@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from triptych.config import EngineConfig
 
-# (the device's choices live in engine/platform.py; re-exported for their callers)
-from triptych.engine.platform import (  # noqa: F401
+# (the device's choices live in engine/device/platform.py; re-exported for their callers)
+from triptych.engine.device.platform import (  # noqa: F401
     resolve_cpu_weights,
     resolve_device,
     resolve_dtype,
@@ -85,14 +85,14 @@ def num_kv_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
                   device: torch.device, tp_size: int = 1) -> int | None:
     """KV blocks of one engine: ``num_kv_blocks``, else what ``kv_cache_memory`` holds, else
     None on CUDA: a profile run sizes the cache from the worker's share of its device
-    (engine/memory.py, parallel/loader.py).
+    (engine/sizing/memory.py, parallel/loader.py).
 
     A block of a tensor-parallel group is split over its ranks by KV heads (replicated when
     heads are fewer than ranks). On CUDA each rank's device has its own budget; on the CPU
     the ranks share the host, so kv_cache_memory is the whole group's."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    from triptych.engine.memory import blocks_for, explicit_kv_bytes
+    from triptych.engine.sizing.memory import blocks_for, explicit_kv_bytes
     from triptych.models.tp_plan import local_kv_heads
 
     budget = explicit_kv_bytes(config, device.type)

@@ -17,7 +17,7 @@ over these arrays, not per-request tensors:
     block_table[row, pos // block_size] * block_size + pos % block_size = slot of a token
 
 Bookkeeping only: nothing here touches torch tensors of the model or the KV cache. The
-token history of penalised requests (engine/penalties.py) follows the same join / leave /
+token history of penalised requests (engine/sample/penalties.py) follows the same join / leave /
 append events, keyed by request id so that row moves leave it alone. Each row's sampling
 parameters (temperature, top-k, top-p, min-p) are written when its request joins and move
 with the row: a step takes the sampled rows' values with one gather (``sampling``).
@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from triptych.engine.grammar import GrammarState
-from triptych.engine.penalties import PenaltyState
 from triptych.engine.request import Request
-from triptych.engine.sampler import SamplingArrays, sampling_arrays
+from triptych.engine.sample.penalties import PenaltyState
+from triptych.engine.sample.sampler import SamplingArrays, sampling_arrays
+from triptych.engine.structured.grammar import GrammarState
 
 # per-row arrays that move with their row (dtype of each)
 _ROW_ARRAYS = {"num_tokens": np.int64, "num_computed": np.int64, "num_prompt": np.int64,

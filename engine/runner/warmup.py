@@ -17,7 +17,7 @@ The steps below cover each, over a private scheduler and block list on the real 
     step 5  decode     a (121 tokens: split-K), b                   random + greedy rows
     step 6  decode     b alone (short: one split)
 
-Decode CUDA graphs warm up their own launches when captured (engine/cuda_graphs.py).
+Decode CUDA graphs warm up their own launches when captured (engine/device/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import logging
 import time
 from typing import Any
 
-from triptych.engine.kv_cache_manager import KVCacheManager
+from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("triptych.warmup")

@@ -2,7 +2,7 @@
 
 Exactly one constraint per request. It travels inside ``SamplingParams`` as a msgspec
 Struct (never a compiled grammar: those are built where they are used, from ``key``,
-through a per-tokenizer compile cache, ``engine/grammar_compiler.py``).
+through a per-tokenizer compile cache, ``engine/structured/grammar_compiler.py``).
 """
 from __future__ import annotations
 

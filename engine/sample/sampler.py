@@ -5,10 +5,10 @@ Every step is batched tensor work on the logits' device; nothing reads the devic
 What differs per request reaches the sampler as a ``SamplingTensors``: per-row parameters
 taken from the persistent batch's arrays (written once, when a request joins), the sparse
 (row, token) lists of its logit biases and penalties, and the grammar bitmask, all built on
-the host and carried to the device in the step's one copy (engine/device_io.py). In
+the host and carried to the device in the step's one copy (engine/device/device_io.py). In
 vLLM's order:
 
-    logits --logit_bias--> --penalties (engine/penalties.py)--> --grammar mask-->
+    logits --logit_bias--> --penalties (engine/sample/penalties.py)--> --grammar mask-->
         greedy rows: argmax                 (the platform's: a C++ one on the CPU)
         random rows: / temperature, min-p, top-k, top-p, then one draw per row:
                      argmax(probs / q), q ~ Exp(1)  (the exponential race = a categorical
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from triptych.engine.penalties import PenaltyState, PenaltyTensors, apply_penalties
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.penalties import PenaltyState, PenaltyTensors, apply_penalties
+from triptych.engine.sample.sampling_params import SamplingParams
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N] int64
 
@@ -68,7 +68,7 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __init__(self, seed: int = 0, argmax: Argmax = torch_argmax) -> None:
         self.seed = seed
-        self.argmax = argmax  # the platform's (engine/platform.py)
+        self.argmax = argmax  # the platform's (engine/device/platform.py)
         self._defaults: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
 

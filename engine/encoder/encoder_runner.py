@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from triptych.engine.device_io import to_device
-from triptych.engine.encoder_cache import EncoderCache
+from triptych.engine.device.device_io import to_device
+from triptych.engine.encoder.encoder_cache import EncoderCache
 from triptych.engine.request import MMItem
 
 # (pixel_values [P, patch_dim] on the device, grid_thw [N, 3] on the HOST) -> one

@@ -5,8 +5,8 @@ out, which tells the scheduler to preempt.
 """
 from __future__ import annotations
 
-from triptych.engine.block_hash import extend_block_hashes
-from triptych.engine.block_pool import BlockPool, KVBlock
+from triptych.engine.kv.block_hash import extend_block_hashes
+from triptych.engine.kv.block_pool import BlockPool, KVBlock
 from triptych.engine.request import Request
 
 

@@ -1,6 +1,6 @@
 """The CUDA engine's step, rehearsed on the CPU: what a GPU engine runs, minus the GPU.
 
-A CPU engine takes the CPU's own paths (engine/platform.py): packed linear weights with
+A CPU engine takes the CPU's own paths (engine/device/platform.py): packed linear weights with
 their greedy head and C++ argmax, host arrays used where they are, no CUDA graphs. The
 checks that a GPU engine's step reads nothing back (tests/test_host_syncs.py) and the GPU
 script's smoke run (`bench gpu --cpu-smoke`) need the CUDA engine's path instead. Build
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from triptych.engine.device_io import StepStaging
-from triptych.engine.sampler import torch_argmax
+from triptych.engine.device.device_io import StepStaging
+from triptych.engine.sample.sampler import torch_argmax
 
 REHEARSAL_KNOBS = {"attention_backend": "triton", "cpu_gemm": "torch"}
 

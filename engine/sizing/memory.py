@@ -1,5 +1,6 @@
 """GPU memory the way vLLM v1 sizes it: a worker's share of its device, what it needs besides
-its KV cache (measured by a profile run, engine/profile_run.py), and the KV cache from the rest.
+its KV cache (measured by a profile run, engine/sizing/profile_run.py), and the KV cache
+from the rest.
 
     share = gpu_memory_utilization x total         what this worker may hold on its device
       - weights                                    torch memory allocated by the load

@@ -8,10 +8,10 @@
 
 Everything CPU-specific (kernels/cpu/ and its C++ builds, worker/threads.py and
 worker/allocator.py) is reached only through the CPU's choices here: a CUDA engine never
-imports, builds or runs it. The step's host/device traffic is engine/device_io.py (on the
+imports, builds or runs it. The step's host/device traffic is engine/device/device_io.py (on the
 CPU it copies nothing).
 
-On the CPU, what the processor offers (engine/cpu_features.py, the only reader of CPU
+On the CPU, what the processor offers (engine/device/cpu_features.py, the only reader of CPU
 flags; ``TRIPTYCH_CPU_ISA=avx2`` makes an AVX-512 box choose as an AVX2-only one) decides,
 once per process and logged, which instruction-set copy of the C++ kernels runs and each
 weight format's batched path (``cpu_kernels``):
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from triptych.config import EngineConfig
-from triptych.engine import cpu_features
-from triptych.engine.sampler import Argmax, torch_argmax
+from triptych.engine.device import cpu_features
+from triptych.engine.sample.sampler import Argmax, torch_argmax
 
 if TYPE_CHECKING:
     from triptych.kernels.cpu.isa import CpuKernels

@@ -1,4 +1,4 @@
-"""What one step of the model runner carries between its calls (engine/model_runner.py):
+"""What one step of the model runner carries between its calls (engine/runner/model_runner.py):
 
     prepare(out) -> PendingStep    sample(p) -> InFlight    collect(f) -> StepOutput
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.device_io import Fetching
-from triptych.engine.forward_context import AttentionMetadata
-from triptych.engine.input_batch import StepInputs
+from triptych.engine.device.device_io import Fetching
 from triptych.engine.request import Request
-from triptych.engine.sampler import SamplingArrays
+from triptych.engine.runner.forward_context import AttentionMetadata
+from triptych.engine.runner.input_batch import StepInputs
+from triptych.engine.sample.sampler import SamplingArrays
 from triptych.engine.scheduler import SchedulerOutput
 
 

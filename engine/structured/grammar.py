@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from triptych.engine.grammar_budget import GrammarBudget
 from triptych.engine.request import Request
-from triptych.engine.structured_params import StructuredOutputsParams
+from triptych.engine.structured.grammar_budget import GrammarBudget
+from triptych.engine.structured.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("triptych.grammar")
 
@@ -37,7 +37,8 @@ class GrammarState:
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         self._filler: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self.dead: dict[str, str] = {}  # requests to end, and why (take_dead): a grammar
-        # that allowed no token, or one over its share of the step (engine/grammar_budget.py)
+        # that allowed no token, or one over its share of the step
+        # (engine/structured/grammar_budget.py)
         self.budget = GrammarBudget()
         self._accept_s: dict[str, float] = {}  # matcher updates since the last fill
         self.num_masked_steps = 0
@@ -133,7 +134,7 @@ class GrammarState:
                 request_ids: list[str], batch_s: float) -> None:
         """Hold this step's grammar work against the budget: when the batch's is over the
         allowance, time each row's fill alone (filling it again: same mask) and end the
-        rows that stay over it (engine/grammar_budget.py)."""
+        rows that stay over it (engine/structured/grammar_budget.py)."""
         accepted = sum(self._accept_s.values())
         self.budget.spent(batch_s)
         if batch_s + accepted <= self.budget.allowance_s:

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from triptych.engine.detokenizer import IncrementalDetokenizer
 from triptych.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -22,7 +21,8 @@ from triptych.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.router.detokenizer import IncrementalDetokenizer
 
 
 def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from triptych.engine.device_io import HostFetch, to_device
-from triptych.engine.input_batch import StepInputs
+from triptych.engine.device.device_io import HostFetch, to_device
+from triptych.engine.runner.input_batch import StepInputs
 
 
 def record_prompt_logprobs(batch: Any, inp: StepInputs, logits: torch.Tensor,

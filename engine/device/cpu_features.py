@@ -1,4 +1,4 @@
-"""What this CPU offers, read once: the platform seam's (engine/platform.py) one source of
+"""What this CPU offers, read once: the platform seam's (engine/device/platform.py) one source of
 CPU flags, and the switch that makes a CPU look like a lesser one.
 
 ``TRIPTYCH_CPU_ISA`` (environment; read here only): ``native`` (the default: every flag

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from triptych.engine.sampling_params import SamplingParams
+from triptych.engine.sample.sampling_params import SamplingParams
 
 MAX_BEAM_WIDTH = 10  # a step asks for 2k logprobs (the engine returns at most 20; k + 1
 # per beam are enough to pick k running beams past one EOS)

@@ -1,0 +1,1 @@
+"""The vision encoder's runner and its embedding cache."""

@@ -1,0 +1,2 @@
+"""The model runner: persistent batch, one step as prepare / sample / collect, forward
+context, warm-up."""

@@ -1,0 +1,1 @@
+"""Sampling: parameters, the sampler, penalties, the n-gram guard, beam search."""
