@@ -146,12 +146,10 @@ def test_a_slow_image_is_stopped_at_its_deadline_and_text_goes_on(server):
 # -- row 6: 250,000 empty messages -------------------------------------------------------------
 def test_a_conversation_too_long_for_the_template_is_refused_before_rendering(server):
     many = [{"role": "user", "content": ""}] * 250_000
-    t0 = time.monotonic()
-    r = chat(server, "alice", many)
+    r = chat(server, "alice", many, timeout=60)  # (a hang guard, not a speed claim)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and "--max-prompt-chars" in err["message"], err
-    assert time.monotonic() - t0 < 60  # a hang guard, not a speed claim
     assert chat(server, "bob", hi()).status_code == 200
 
 
