@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from triptych.api.media.pixels import to_rgb8
 from triptych.bench.prep import SETUPS
-from triptych.engine import cpu_features
+from triptych.engine.device import cpu_features
 from triptych.kernels.cpu import build as cpu_build
 from triptych.kernels.cpu import image_resample, isa
 from triptych.mmcache.hashing import hash_image, hash_pixels, media_key
