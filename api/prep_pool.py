@@ -5,6 +5,9 @@ processed for the model and written to shared memory (api/prep_proc.py).
     run(job, tenant) -- fair queue (per tenant) --> write Job  ---------->  decode, process,
                      <-- Done, segment adopted <-- read Done  <----------   write segment
 
+The processes start at the first image or video the server gets (all of them at once), not
+with the server: a server that serves only text never pays their ~3 s of CPU and ~300 MB
+each (torch and the model's processor); the first media item waits for one to come up.
 One job per process at a time. While it runs, its process is watched: past the job's
 deadline (``--max-image-decode-seconds``; a video's decode limit plus that) or above
 ``--mm-processor-memory`` of resident memory it is killed, what it had written is removed,
@@ -124,6 +127,7 @@ class PrepPool:
         self._turn: deque[str | None] = deque()  # tenants with queued jobs, in turn
         self._cv = threading.Condition()
         self._closed = False
+        self._wanted = False  # a first job came: every process starts
         self.num_jobs = self.num_killed = self.num_running = 0
         self.cpu_s = 0.0  # CPU the processes spent on jobs
         self._threads = [threading.Thread(target=self._serve, args=(p,), daemon=True,
@@ -133,8 +137,7 @@ class PrepPool:
             t.start()
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until every process has started (the server answers once they have: its first
-        image does not wait for a process to import torch)."""
+        """Until every process has started (after the first job: none starts before)."""
         deadline = time.monotonic() + timeout_s
         while not all(p.ready for p in self._procs) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -153,7 +156,11 @@ class PrepPool:
             self._queues.setdefault(tenant, deque()).append((job, fut))
             if tenant not in self._turn:
                 self._turn.append(tenant)
-            self._cv.notify()
+            if not self._wanted:  # the first media item: all the processes start now
+                self._wanted = True
+                self._cv.notify_all()
+            else:
+                self._cv.notify()
         try:
             return fut.result()
         except CancelledError:
@@ -176,10 +183,14 @@ class PrepPool:
         return None
 
     def _serve(self, proc: _Proc) -> None:
-        try:
-            proc.ensure()  # warm: started with the server, not at the first image
-        except MediaError as e:
-            logger.error("%s", e)
+        with self._cv:  # NOTE: started at the first media item, not with the server: a
+            while not (self._wanted or self._closed):  # text-only server never pays a
+                self._cv.wait()  # process's ~3 s of CPU and ~300 MB (torch, the processor)
+        if not self._closed:
+            try:
+                proc.ensure()  # (all of them at once, so a burst finds them up)
+            except MediaError as e:
+                logger.error("%s", e)
         while (item := self._next()) is not None:
             job, fut = item
             self.num_running += 1

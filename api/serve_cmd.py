@@ -280,9 +280,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
                                   {"mm_preprocessor": config.mm_preprocessor})
     router = Router(config, processor.tokenizer, processor=processor)
     try:
-        await router.start()
-        if processor.prep is not None:  # (they started beside the workers)
-            await asyncio.to_thread(processor.prep.wait_ready)
+        await router.start()  # (the preparation processes start at the first image)
         yield build_app(router, processor, app_config, on_shutdown=router.shutdown), router
     finally:  # (a no-op when the lifespan already stopped it)
         await router.shutdown()

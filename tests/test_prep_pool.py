@@ -64,7 +64,7 @@ def test_bad_media_fail_alone_with_the_decoders_words(pool):
 def test_a_job_past_its_deadline_is_killed_alone_and_leaves_nothing(pool):
     before, killed = pool.pids, pool.num_killed
     with pytest.raises(MediaError, match="--max-image-decode-seconds"):
-        pool.run(Job("image", "s" * 64, slow_jpeg(), MediaLimits().caps()))
+        pool.run(Job("image", "s" * 64, slow_jpeg(4500), MediaLimits().caps()))  # (~6 s)
     assert pool.num_killed == killed + 1 and not alive(before[0])
     assert not segments_of(before[0])
     _, prepared = pool.run(Job("image", "d" * 64, jpeg(3), MediaLimits().caps()))
@@ -124,11 +124,13 @@ def test_a_killed_server_leaves_no_process_and_its_segments_go_at_the_next_start
     body = {"messages": user(image_part(data_url(jpeg(7), "image/jpeg")), text_part("x")),
             "n": 16, "max_tokens": 400, "ignore_eos": True}
     try:
-        prep = httpx.get(s.base + "/health", timeout=5).json()["preparation"]["pids"]
+        assert not httpx.get(s.base + "/health", timeout=5).json()["preparation"]["pids"]
         t = threading.Thread(target=lambda: httpx.post(
             s.base + "/v1/chat/completions", json=body, timeout=120), daemon=True)
         t.start()
         wait_for(lambda: segments_of(s.proc.pid), "the image's pixels in shared memory")
+        prep = httpx.get(s.base + "/health", timeout=5).json()["preparation"]["pids"]
+        assert prep  # started by the image (a text-only server has none)
         s.stop(signal.SIGKILL)
         wait_for(lambda: not any(alive(p) for p in prep), "the preparation process to end",
                  timeout=30)

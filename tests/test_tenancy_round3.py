@@ -116,6 +116,9 @@ def test_a_whitelist_outside_the_vocabulary_is_refused_and_repeats_are_dropped(s
 # -- row 4: a progressive JPEG whose decoding runs for seconds ---------------------------------
 def test_a_slow_image_is_stopped_at_its_deadline_and_text_goes_on(server):
     bomb = "data:image/jpeg;base64," + base64.b64encode(slow_jpeg()).decode()
+    good = user(image_part("data:image/png;base64," + base64.b64encode(png(img(3))).decode()),
+                text_part("x"))
+    assert chat(server, "alice", good).status_code == 200  # (the processes start now)
     before = httpx.get(server.base + "/health", headers=headers("operator"), timeout=30
                        ).json()["preparation"]
     result: dict[str, httpx.Response] = {}
@@ -134,11 +137,12 @@ def test_a_slow_image_is_stopped_at_its_deadline_and_text_goes_on(server):
     # the preparation process was replaced (what it was writing removed): images are
     # served again
     ok = chat(server, "alice", user(image_part("data:image/png;base64," + base64.b64encode(
-        png(img(3))).decode()), text_part("x")))
+        png(img(4))).decode()), text_part("x")))  # (a new image: no processor-cache hit)
     assert ok.status_code == 200, ok.text
     prep = httpx.get(server.base + "/health", headers=headers("operator"), timeout=30
                      ).json()["preparation"]
-    assert prep["killed"] == before["killed"] + 1 and prep["pids"] != before["pids"]
+    assert prep["killed"] == before["killed"] + 1 and prep["pids"]
+    assert prep["pids"] != before["pids"]
     assert not [n for n in os.listdir("/dev/shm")
                 if n.startswith(f"triptych-{before['pids'][0]}-")], "its segment is left"
 
