@@ -9,6 +9,7 @@ an AVX2-only CPU and the engine's own kernels serve the weights (the offline eng
 compared with runs under the same switch, in its own process)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ KNOBS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantizatio
 LEVELS = ["native"] + (["avx2"] if cpu_kernels().variant.startswith("avx512") else [])
 
 
+@functools.cache  # (float32's answer serves both formats' checks)
 def offline(model: str, fmt: str, level: str = "native") -> tuple[list[int], list[float]]:
     if level != "native":  # the switch acts before torch's first op: a process of its own
         code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "

@@ -181,7 +181,7 @@ def _run_dirs(*pids: int) -> list[str]:
 def test_interrupted_run_resumes_with_each_custom_id_once(tiny_qwen2_vl: str, tmp_path: Path,
                                                           sig: int) -> None:
     ids = [f"req-{i}" for i in range(30)]  # (enough that the signal comes mid-run)
-    lines = [json.dumps(completion_line(c, f"prompt number {i}", max_tokens=24,
+    lines = [json.dumps(completion_line(c, f"prompt number {i}", max_tokens=8,
                                         ignore_eos=True)) for i, c in enumerate(ids)]
     lines.insert(5, "not json at all")
     src, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
