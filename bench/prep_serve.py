@@ -95,6 +95,14 @@ class Server:
                 raise RuntimeError(f"the server did not start; see {log}")
             time.sleep(0.5)
 
+    def warm(self, url: str) -> None:
+        """One image chat first: the preparation processes start at the first image."""
+        import httpx
+
+        httpx.post(self.base + "/v1/chat/completions", timeout=600, json=_chat(
+            [{"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "What is it?"}])).raise_for_status()
+
     def pids(self) -> dict[str, list[int]]:
         import httpx
 
@@ -205,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
             from triptych.models.tiny import make_tiny
             model = make_tiny("qwen2_vl", os.path.join(d, "tiny"), seed=0)
         with _servers(model, cfgs, d) as servers:
+            warm = "data:image/jpeg;base64," + base64.b64encode(photo(640, 480)).decode()
+            for server in servers.values():
+                server.warm(warm)
             for w, h in sizes:
                 url = "data:image/jpeg;base64," + base64.b64encode(photo(w, h)).decode()
                 per: dict[str, list[dict[str, Any]]] = {n: [] for n in cfgs}

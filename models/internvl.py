@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from triptych.kernels import get_ops
+from triptych.models.meta_build import on_meta
 from triptych.models.vision import host_grid
 from triptych.models.qwen2_vl import Qwen2TextModel, Qwen2VLForCausalLM, text_head_dim
 from triptych.models.qwen3_vl import Qwen3TextModel, interleaved_rope_plan
@@ -102,7 +103,7 @@ class InternVLForCausalLM(Qwen2VLForCausalLM):
         self._head_gemm: Any = None
         v = config.vision_config
         self.patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size
-        with torch.device("meta"):
+        with on_meta():
             if parts != "language":
                 self.visual = InternVLVision(config)
             if parts != "vision":

@@ -22,6 +22,7 @@ from triptych.kernels import get_ops
 from triptych.models.attention import PagedAttention
 from triptych.models.checkpoint_names import hub_name, map_checkpoint_name, read_piece
 from triptych.models.contract import write_vision_rows
+from triptych.models.meta_build import on_meta
 from triptych.models.parallel_layers import FusedLinear, Shard
 from triptych.models.vision import Qwen2VisionTransformer, Qwen25VisionTransformer, host_grid
 from triptych.models.weight_parts import check_parts, holds
@@ -204,7 +205,7 @@ class Qwen2VLForCausalLM(nn.Module):
         self.pack_head = ""  # set by load_model(cpu_weights=...): the head's packed format
         self._head_gemm: Any = None  # CpuGemm: a packed copy of the head, made on first use
         # Build on the meta device: no random init, no fp32 copy of a big model on the host.
-        with torch.device("meta"):
+        with on_meta():
             if parts != "language":
                 self.visual = _VISION[config.model_type](config.vision_config, attention_backend)
             if parts != "vision":

@@ -27,6 +27,7 @@ from triptych.kernels import get_ops, torch_ref
 from triptych.models.attention import PagedAttention
 from triptych.models.contract import write_vision_rows
 from triptych.models.fused_moe import SparseMoeBlock
+from triptych.models.meta_build import on_meta
 from triptych.models.parallel_layers import FusedLinear
 from triptych.models.qwen2_vl import Qwen2MLP, Qwen2VLForCausalLM, RMSNorm, rope_config
 from triptych.models.qwen3_vl_vision import Qwen3VisionTransformer
@@ -189,7 +190,7 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.pack_head = ""
         self._head_gemm: Any = None
-        with torch.device("meta"):
+        with on_meta():
             if parts != "language":
                 self.visual = Qwen3VisionTransformer(config.vision_config, attention_backend)
             if parts != "vision":

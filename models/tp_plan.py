@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from triptych.models.attention import PagedAttention
+from triptych.models.meta_build import on_meta
 from triptych.models.parallel_layers import (
     FusedLinear,
     RowParallelLinear,
@@ -109,7 +110,7 @@ def shard_qwen2_vl(model: Any, ctx: TPContext, shard_vision: bool) -> None:
     """Swap the layers of a meta-device Qwen2VLForCausalLM for rank ``ctx.rank``'s shards:
     the parts the model was built with (``model.parts``, models/weight_parts.py) only."""
     text = getattr(model.config, "text_config", None) or model.config
-    with torch.device("meta"):
+    with on_meta():
         if shard_vision and model.parts != "language":
             _shard_vision(model.visual, ctx)
         if model.parts == "vision":
