@@ -341,10 +341,11 @@ def test_no_model_serves_the_built_in_demo_checkpoint(tmp_path):
         (model,) = httpx.get(s.base + "/v1/models").json()["data"]
         r = httpx.post(s.base + "/v1/chat/completions", json={
             "model": model["id"], "max_tokens": 2,
-            "messages": user(image_part(data_url(png(img(3)))), text_part("Hi"))})
+            "messages": user(image_part(data_url(png(img(3)))), text_part("Hi"))},
+            timeout=120)  # (the first image: the preparation process starts)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         r = httpx.post(s.base + "/v1/chat/completions", json={  # no "model": the one served
-            "max_tokens": 2, "messages": user(text_part("Hi"))})
+            "max_tokens": 2, "messages": user(text_part("Hi"))}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == model["id"]
         # The README's client snippet, as printed, with a real image for its "...".
         readme = (Path(__file__).parents[1] / "README.md").read_text()

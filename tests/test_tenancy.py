@@ -187,9 +187,13 @@ def test_lowered_video_caps_survive_a_processor_cache_hit_after_a_worker_restart
     assert ask(admin, named).usage.prompt_tokens > tokens
     old = server.engine_pid()
     os.kill(old, signal.SIGKILL)
-    wait_for(lambda: httpx.get(server.base + "/health").json()["status"] == "ok"
-             and server.worker_pids() and old not in server.worker_pids().values(),
-             "the worker to be replaced", timeout=180, step=0.3)
+
+    def replaced() -> bool:  # (one reading of /health: the worker's death may land between two)
+        h = httpx.get(server.base + "/health", headers=server.admin_headers, timeout=5).json()
+        up = [w["pid"] for p in h["pools"].values() for w in p["workers"] if w["state"] == "up"]
+        return h["status"] == "ok" and bool(up) and old not in up
+
+    wait_for(replaced, "the worker to be replaced", timeout=180, step=0.3)
     # P0's processor cache still holds the key; the new worker does not hold the pixels,
     # so P0 makes them again: under the request's 2 frames, as the key says.
     again = ask(admin, msgs, **low)
