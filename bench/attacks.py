@@ -1,5 +1,6 @@
-"""`triptych bench attacks`: the multi-tenant attacks of issue 42 replayed against a real
-server, and what each costs another tenant.
+"""`triptych bench attacks`: issue 42's attacks replayed; what each costs another tenant.
+
+The attacks run against a real server, one after another.
 
 A server (the built-in demo model unless ``--model``) with two tenants: alice attacks, bob
 sends a short text chat (16 tokens) one after another. For each attack, bob's median and
