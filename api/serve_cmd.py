@@ -67,6 +67,10 @@ def add_parser(subparsers: Any) -> None:
                           "always let in); beyond it 429")
     lim.add_argument("--max-request-bytes", type=int, default=64 << 20,
                      help="largest request body, data URLs included; bigger ones get 413")
+    lim.add_argument("--max-request-values", type=int, default=1 << 20,
+                     help="most JSON values (counted as commas, as the body arrives) in a "
+                          "request body; more get 413 before the body is parsed (token-id "
+                          "prompts, logit_bias and whitelists of a real vocabulary fit)")
     lim.add_argument("--max-inflight-body-bytes", type=int, default=0,
                      help="bytes of request bodies held at once, server-wide (a body counts "
                           "until its request is answered); beyond it 429 + Retry-After "
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                  "max_video_pixels", "max_request_pixels", "max_media_bytes",
                  "max_concurrent_media_fetches", "limit_concurrency", "media_dns_threads",
                  "media_dns_per_domain", "max_structured_depth", "grammar_compile_procs",
-                 "max_idle_connections", "max_idle_connections_per_client"):
+                 "max_idle_connections", "max_idle_connections_per_client",
+                 "max_request_values"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1")
     if not args.request_body_timeout > 0 or args.request_body_min_rate < 0 or \
@@ -259,7 +264,7 @@ async def app_and_router(limits: argparse.Namespace, config: Any, model: str, na
     app_config = AppConfig(
         served_model=name, limits=checks, model_root=limits.model or model,
         max_pending=max_pending, pending_share=limits.max_pending_share,
-        max_body_bytes=limits.max_request_bytes,
+        max_body_bytes=limits.max_request_bytes, max_body_values=limits.max_request_values,
         max_inflight_body_bytes=limits.max_inflight_body_bytes or 4 * limits.max_request_bytes,
         body_timeout_s=limits.request_body_timeout, body_min_rate=limits.request_body_min_rate,
         body_share=limits.max_body_share,

@@ -56,6 +56,7 @@ class AppConfig:
     max_pending: int = 256  # engine sequences admitted at once; more get 429
     pending_share: float = 0.5  # of them, the most one tenant holds (with several tenants)
     max_body_bytes: int = 64 << 20
+    max_body_values: int = 1 << 20  # commas in a body; more get 413 before it is parsed
     max_inflight_body_bytes: int = 256 << 20  # request bodies held at once; more get 429
     body_timeout_s: float = 30.0  # a body must arrive within this ...
     body_min_rate: int = 64 << 10  # ... plus a second per this many bytes received; else 408
@@ -143,7 +144,7 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
                        max_inflight_bytes=config.max_inflight_body_bytes,
                        timeout_s=config.body_timeout_s, min_rate=config.body_min_rate,
-                       share=config.body_share)
+                       share=config.body_share, max_values=config.max_body_values)
     app.add_middleware(AuthMiddleware, tenants=config.tenants,
                        protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)

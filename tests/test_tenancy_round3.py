@@ -102,11 +102,19 @@ def test_idle_connections_cannot_fill_the_server(server):
 # -- row 3: a whitelist of millions of ids -----------------------------------------------------
 def test_a_whitelist_outside_the_vocabulary_is_refused_and_repeats_are_dropped(server):
     vocab = 632  # the tiny checkpoint's
+    # 3 M values: refused as the body arrives, before it is parsed
     r = chat(server, "alice", hi(), vllm_xargs={"ngram_size": 2,
                                                "whitelist_token_ids": list(range(3_000_000))})
+    assert r.status_code == 413 and "--max-request-values" in r.json()["error"]["message"]
+    # longer than twice the vocabulary (or 65,536): refused by its length, before a walk
+    r = chat(server, "alice", hi(), vllm_xargs={"ngram_size": 2,
+                                               "whitelist_token_ids": [1] * 70_000})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "vllm_xargs.whitelist_token_ids" and "vocabulary" in err["message"]
+    assert err["param"] == "vllm_xargs.whitelist_token_ids" and "at most 65536" in err["message"]
+    r = chat(server, "alice", hi(), vllm_xargs={"ngram_size": 2,
+                                               "whitelist_token_ids": [5, vocab, vocab + 7]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     # every id of the vocabulary, ten times over: accepted, served, once each
     r = chat(server, "alice", hi(), vllm_xargs={"ngram_size": 2,
                                                "whitelist_token_ids": list(range(vocab)) * 10})
