@@ -71,15 +71,22 @@ def verdict(comp: object, vocab_size: int, key: tuple[str, str, bool, bool]) -> 
     return Verdict()
 
 
-def main() -> int:
+def child_pipes() -> tuple[BinaryIO, BinaryIO]:
+    """A helper process's setup (this one's and api/prep_proc.py's): it dies with its
+    parent (PR_SET_PDEATHSIG), and returns (frames in, frames out). NOTE: frames go to a
+    private copy of stdout; fd 1 becomes stderr, so anything a library prints cannot
+    corrupt them."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: end of input still stops us
         pass
-    # NOTE: frames go to a private copy of stdout; fd 1 becomes stderr, so anything a
-    # library prints cannot corrupt them
-    inp, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    return sys.stdin.buffer, out
+
+
+def main() -> int:
+    inp, out = child_pipes()
     start = read_frame(inp, Start)
     if start is None:
         return 0

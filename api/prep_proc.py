@@ -15,14 +15,11 @@ host, preparation takes what is left. One torch thread. Dies with its parent
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import sys
 import time
 from typing import Any
 
-from triptych.api.grammar_proc import read_frame, write_frame
+from triptych.api.grammar_proc import child_pipes, read_frame, write_frame
 from triptych.api.prep_wire import Done, Job, Start
 
 
@@ -54,12 +51,7 @@ def prepare(view: Any, job: Job) -> Done:
 
 
 def main() -> int:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: end of input still stops us
-        pass
-    inp, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # (a library's prints cannot corrupt the frames)
+    inp, out = child_pipes()
     start = read_frame(inp, Start)
     if start is None:
         return 0
