@@ -1,17 +1,14 @@
-"""The layout step of `triptych ocr` for a model that reads one line at a time (the demo).
+"""Text lines of one block of a page (``find_lines``) and each line's pieces as the demo
+model reads them (``strip``).
 
-    page (RGB) -> grey, dark text on light (light-on-dark inverted), divided by the local
-    background (grey and textured backgrounds, uneven light) -> ink mask (despeckled)
-    -> rows with ink (projection profile) -> lines: blocks of ink rows, blocks that hold two
-    touching lines split at the valley between their cores, dots and accents joined to
-    the nearest line -> each line's ink top and baseline (the bottom of its core, the rows
-    of most ink), split left to right at word gaps into pieces a strip holds -> each piece
-    resampled so its ink top and baseline fall on rows TOP and BASELINE of a
-    LINE_HEIGHT-px strip whose width is a multiple of LINE_HEIGHT, as the training renderer
-    prints a line (the processor keeps such an image as it is: one band of merged vision
-    tokens).
-
-Reading order: lines top to bottom, pieces left to right (one column).
+    ink (demo/layout/ink.py) -> rows with ink (projection profile) -> lines: blocks of ink
+    rows, blocks that hold two touching lines split at the valley between their cores, dots
+    and accents joined to the nearest line -> each line's ink top and baseline (the bottom
+    of its core, the rows of most ink), dot leaders taken out, split left to right at word
+    gaps into pieces a strip holds, and always at wide gaps (a price after spaces, a table
+    cell) -> each piece resampled so its ink top and baseline fall on rows TOP and BASELINE
+    of a LINE_HEIGHT-px strip whose width is a multiple of LINE_HEIGHT, as the training
+    renderer prints a line.
 """
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from triptych.demo.layout.ink import ink_mask, runs
 
 LINE_HEIGHT = 28  # one merged vision token: patch 14 x spatial merge 2 (demo/render.py ROW)
 # Where training lines have their text (demo/render.py, fonts 16-20 px on a 28-px strip):
@@ -35,7 +33,10 @@ MARGIN = 9  # px left of the ink on a strip (training: 2-10)
 # gap, where a line may be split; narrower runs are gaps between letters. Dev set: 0.25 read
 # at 2.8% CER (a space read between letters that stand apart), 0.4 at 2.1%, 0.55 at 2.5%.
 WORD_GAP = 0.4
-MIN_CONTRAST = 0.25  # darkest ink must be this far below the background, else no text
+# A gap at least this share of the ink height (about three spaces) always ends a piece: the
+# price after a receipt's spaces, the next cell of a table. The model reads one run of
+# text per strip; a wide blank inside a strip is where it stopped reading.
+WIDE_GAP = 1.3
 
 
 @dataclass(frozen=True)
@@ -57,86 +58,29 @@ class Line:
         return (BASELINE - TOP) / max(self.baseline - self.ink_top, 1)
 
 
-def _box_max(a: np.ndarray, k: int, axis: int) -> np.ndarray:
-    """Running maximum over ``k`` values along ``axis`` (edge-padded, same shape): maxima
-    of spans doubling in length, then two overlapping spans per output (log k passes)."""
-    pad = [(0, 0), (0, 0)]
-    pad[axis] = (k // 2, k - 1 - k // 2)
-    out, span, n = np.pad(a, pad, mode="edge"), 1, a.shape[axis]
-
-    def cut(x: np.ndarray, start: int, stop: int) -> np.ndarray:
-        return x[start:stop] if axis == 0 else x[:, start:stop]
-
-    while span * 2 <= k:
-        m = out.shape[axis] - span
-        out = np.maximum(cut(out, 0, m), cut(out, span, span + m))
-        span *= 2
-    # out[i] is the maximum of the span values from i, and span <= k < 2 span
-    return np.maximum(cut(out, 0, n), cut(out, k - span, k - span + n))
-
-
-def _box_mean(a: np.ndarray, k: int) -> np.ndarray:
-    """Mean over a ``k`` x ``k`` window (edge-padded, same shape), by cumulative sums."""
-    p = np.pad(a, ((k // 2 + 1, k - 1 - k // 2), (k // 2 + 1, k - 1 - k // 2)), mode="edge")
-    c = p.cumsum(0).cumsum(1)
-    return (c[k:, k:] - c[:-k, k:] - c[k:, :-k] + c[:-k, :-k]) / (k * k)
-
-
-def normalise(image: Any) -> np.ndarray:
-    """``image`` (PIL) -> float32 [h, w]: background ~1, ink towards 0. Light text on a dark
-    page is inverted; dividing by the local background (a running maximum, wider than a
-    stroke, smoothed) flattens grey, textured and unevenly lit backgrounds."""
-    g = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
-    if np.median(g) < 0.5:  # light on dark
-        g = 1.0 - g
-    k = max(9, min(31, (min(g.shape) // 24) | 1))
-    bg = _box_max(_box_max(g, k, 0), k, 1)
-    bg = np.maximum(_box_mean(bg, k), 1e-3)
-    return np.clip(g / bg, 0.0, 1.0)
-
-
-def ink_mask(norm: np.ndarray) -> np.ndarray:
-    """Ink pixels: below the midpoint between the background (1) and the darkest ink, with
-    isolated pixels (noise) removed. All False where there is no contrast to speak of."""
-    lo = float(np.percentile(norm, 0.2))
-    if lo > 1.0 - MIN_CONTRAST:
-        return np.zeros(norm.shape, dtype=bool)
-    ink = norm < (1.0 + lo) / 2
-    p = np.pad(ink, 1).astype(np.uint8)
-    neighbours = sum(p[1 + dy:p.shape[0] - 1 + dy, 1 + dx:p.shape[1] - 1 + dx]
-                     for dy in (-1, 0, 1) for dx in (-1, 0, 1)) - ink
-    return ink & (neighbours >= 1)
-
-
-def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
-    """[start, stop) of each run of True."""
-    d = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
-    return list(zip(np.nonzero(d == 1)[0].tolist(), np.nonzero(d == -1)[0].tolist()))
-
-
 def _split_touching(profile: np.ndarray, start: int, stop: int) -> list[int]:
     """Rows where a block of ink rows holds more than one line (lines set so close that a
     descender touches the ascender below): the lowest row between consecutive cores (runs
     at or above a quarter of the block's peak, at least half the tallest core high)."""
     p = np.convolve(profile[start:stop], np.ones(3) / 3, mode="same")
-    cores = _runs(p >= 0.25 * p.max())
+    cores = runs(p >= 0.25 * p.max())
     tall = max(b - a for a, b in cores)
     cores = [(a, b) for a, b in cores if b - a >= 0.5 * tall]
     return [start + b0 + int(np.argmin(p[b0:a1])) for (_, b0), (a1, _) in itertools.pairwise(cores)]
 
 
-def _bands(profile: np.ndarray) -> list[tuple[int, int]]:
+def bands(profile: np.ndarray) -> list[tuple[int, int]]:
     """The row bands of a page's lines, top to bottom."""
-    bands: list[tuple[int, int]] = []
-    for a, b in _runs(profile > 0):
+    found: list[tuple[int, int]] = []
+    for a, b in runs(profile > 0):
         cuts = _split_touching(profile, a, b)
-        bands += list(zip([a] + cuts, cuts + [b]))
-    if not bands:
+        found += list(zip([a] + cuts, cuts + [b]))
+    if not found:
         return []
     # A band much lower than the others (an i-dot, an accent, a lone mark) joins the
     # nearest band within half a line; any other stays a line of its own.
-    typical = float(np.median([b - a for a, b in bands]))
-    merged = list(bands)
+    typical = float(np.median([b - a for a, b in found]))
+    merged = list(found)
     i = 0
     while i < len(merged) and len(merged) > 1:
         a, b = merged[i]
@@ -155,20 +99,54 @@ def _bands(profile: np.ndarray) -> list[tuple[int, int]]:
     return merged
 
 
-def _pieces(cols: np.ndarray, height: int, max_width: float, word_gap: float
-            ) -> tuple[tuple[int, int], ...]:
+def text_height(ink: np.ndarray) -> float:
+    """A page's typical line height in pixels (ink top to ink bottom of a line, about an em):
+    the median height of the line bands of narrow vertical slices of the page, so that a
+    table's vertical rule or two columns out of step spoil only the slices they cross.
+    0.0 for a page without ink."""
+    width = max(64, ink.shape[1] // 8)
+    heights = [b - a for x in range(0, ink.shape[1], width)
+               for a, b in bands(ink[:, x:x + width].sum(axis=1)) if b - a >= 3]
+    return float(np.median(heights)) if heights else 0.0
+
+
+def _leaders(band: np.ndarray, base: int, height: int) -> np.ndarray:
+    """Columns of ``band`` (its rows, the line's baseline row ``base`` within it) that hold a
+    dot leader: four or more small marks on the baseline in a row, each within a line height
+    of the next ("Coffee ........ 3.50"). An ellipsis (three dots) stays text."""
+    cols = band.any(axis=0)
+    marks = []
+    for a, b in runs(cols):
+        rows = np.nonzero(band[:, a:b].any(axis=1))[0]
+        small = b - a <= 0.4 * height and rows[-1] - rows[0] < 0.4 * height
+        marks.append((a, b, small and abs(rows[-1] + 1 - base) <= 0.25 * height + 1))
+    out = np.zeros(cols.shape, dtype=bool)
+    i = 0
+    while i < len(marks):
+        j = i
+        while j < len(marks) and marks[j][2] and (j == i or marks[j][0] - marks[j - 1][1] <= height):
+            j += 1
+        if j - i >= 4:
+            out[marks[i][0]:marks[j - 1][1]] = True
+        i = max(j, i + 1)
+    return out
+
+
+def _pieces(cols: np.ndarray, height: int, max_width: float, word_gap: float,
+            wide_gap: float | None) -> tuple[tuple[int, int], ...]:
     """Column ranges of one line's ink, split at word gaps (blank runs at least ``word_gap``
-    of the ink height) so that each is at most ``max_width`` px wide where gaps allow."""
-    runs = _runs(cols > 0)
+    of the ink height) so that each is at most ``max_width`` px wide where gaps allow, and
+    at every gap of at least ``wide_gap`` of the ink height."""
     words: list[list[int]] = []
-    for a, b in runs:
+    for a, b in runs(cols > 0):
         if words and a - words[-1][1] < max(2, height * word_gap):
             words[-1][1] = b
         else:
             words.append([a, b])
     pieces: list[list[int]] = []
     for a, b in words:
-        if pieces and b - pieces[-1][0] <= max_width:
+        wide = wide_gap is not None and pieces and a - pieces[-1][1] >= height * wide_gap
+        if pieces and b - pieces[-1][0] <= max_width and not wide:
             pieces[-1][1] = b
         else:
             pieces.append([a, b])
@@ -176,25 +154,37 @@ def _pieces(cols: np.ndarray, height: int, max_width: float, word_gap: float
 
 
 def find_lines(norm: np.ndarray, max_width: float | None = None,
-               word_gap: float | None = None) -> list[Line]:
-    """The text lines of a normalised page (``normalise``), in reading order; pieces up to
-    ``max_width`` (MAX_WIDTH) strip pixels, split at gaps of ``word_gap`` (WORD_GAP)."""
+               word_gap: float | None = None, *, ink: np.ndarray | None = None,
+               box: tuple[int, int, int, int] | None = None,
+               wide_gap: float | None = WIDE_GAP, leaders: bool = True) -> list[Line]:
+    """The text lines of a normalised page (``normalise``), top to bottom, in page pixels;
+    pieces up to ``max_width`` (MAX_WIDTH) strip pixels, split at gaps of ``word_gap``
+    (WORD_GAP) and always at ``wide_gap`` (None: never), dot leaders taken out
+    (``leaders``). ``ink``: the page's ink mask (default: ``ink_mask(norm)``); ``box``:
+    (top, bottom, left, right), the block to read (default: the whole page)."""
     max_width = MAX_WIDTH if max_width is None else max_width
     word_gap = WORD_GAP if word_gap is None else word_gap
-    ink = ink_mask(norm)
+    ink = ink_mask(norm) if ink is None else ink
+    y0, y1, x0, x1 = box or (0, ink.shape[0], 0, ink.shape[1])
+    block = ink[y0:y1, x0:x1]
     lines = []
-    for top, bottom in _bands(ink.sum(axis=1)):
-        band = ink[top:bottom]
+    for top, bottom in bands(block.sum(axis=1)):
+        band = block[top:bottom]
         rows, cols = np.nonzero(band.any(axis=1))[0], band.sum(axis=0)
         if len(rows) == 0 or band.sum() < 6:
             continue
-        t = top + int(rows[0])
+        t = int(rows[0])
         profile = band.sum(axis=1)
-        base = top + int(np.nonzero(profile >= 0.35 * profile.max())[0][-1]) + 1
-        xs = np.nonzero(cols)[0]
+        base = int(np.nonzero(profile >= 0.35 * profile.max())[0][-1]) + 1
         h = base - t
-        pieces = _pieces(cols, h, max_width * h / (BASELINE - TOP), word_gap)
-        lines.append(Line(top, bottom, t, base, int(xs[0]), int(xs[-1]) + 1, pieces))
+        if leaders:
+            cols = np.where(_leaders(band, base, h), 0, cols)
+        xs = np.nonzero(cols)[0]
+        if len(xs) == 0:
+            continue
+        pieces = _pieces(cols, h, max_width * h / (BASELINE - TOP), word_gap, wide_gap)
+        lines.append(Line(y0 + top, y0 + bottom, y0 + top + t, y0 + top + base, x0 + int(xs[0]),
+                          x0 + int(xs[-1]) + 1, tuple((x0 + a, x0 + b) for a, b in pieces)))
     return lines
 
 
@@ -202,9 +192,8 @@ def strip(norm: np.ndarray, line: Line, piece: tuple[int, int], margin: int | No
           ) -> Any:
     """One piece of a line as the model reads it: a LINE_HEIGHT-px-high RGB strip, the ink
     top on row TOP and the baseline on row BASELINE, ``margin`` (MARGIN) px of background
-    before it,
-    width a multiple of LINE_HEIGHT; contrast stretched so the darkest ink is black; rows
-    and columns of other lines and pieces blanked."""
+    before it, width a multiple of LINE_HEIGHT; contrast stretched so the darkest ink is
+    black; rows and columns of other lines and pieces blanked."""
     from PIL import Image
 
     s = line.scale
@@ -226,14 +215,3 @@ def strip(norm: np.ndarray, line: Line, piece: tuple[int, int], margin: int | No
     src = Image.fromarray((crop * 255).round().astype(np.uint8))
     box = (sx0 - ix0, sy0 - iy0, sx1 - ix0, sy1 - iy0)
     return src.resize((width, LINE_HEIGHT), Image.Resampling.LANCZOS, box=box).convert("RGB")
-
-
-def line_strips(image: Any) -> list[list[Any]]:
-    """Each text line of ``image`` (PIL) as its pieces' strips (``strip``), in reading
-    order; [] when the image shows no text."""
-    norm = normalise(image)
-    return [[strip(norm, ln, p) for p in ln.pieces] for ln in find_lines(norm)]
-
-
-__all__ = ["LINE_HEIGHT", "Line", "find_lines", "line_strips", "normalise",
-           "strip"]
