@@ -18,8 +18,7 @@ import random
 import string
 from typing import Any
 
-from triptych.demo import render
-from triptych.demo import layout
+from triptych.demo import layout, render
 
 _DIR = render.DEJAVU_DIR
 FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif-Bold.ttf",
@@ -28,8 +27,10 @@ FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif
          "DejaVuSerifCondensed.ttf", "DejaVuSans-ExtraLight.ttf"]
 # How training cuts its strips: the layout step's settings when the shipped phases 4-6 were
 # trained (pieces up to 420 px, 6-px margin, word gaps from a quarter of the ink height),
-# kept here so the recipe draws what it drew. `triptych ocr` has since cut shorter pieces
-# (jobs/layout.py: read better on the dev set); training on those is another recipe.
+# kept here so the recipe draws what it drew (and, likewise, no wide-gap cuts, no dot
+# leaders taken out, every valley between two cores a line break, as then). The layout step
+# has since cut shorter pieces (demo/layout/: read better on the dev set); the sequence
+# phase trains on those (demo/sequences.py).
 CUT = {"max_width": 420, "margin": 6, "word_gap": 0.25}
 
 
@@ -120,7 +121,7 @@ def sample(rng: random.Random, max_chars: int, columns: list[list[list[int]]] | 
         ImageDraw.Draw(img).text((x0 - min(left, 0), y0), line, font=font, fill=fg)
         norm = layout.normalise(_degrade(rng, img))
         found = layout.find_lines(norm, CUT["max_width"], CUT["word_gap"], wide_gap=None,
-                                  leaders=False)
+                                  leaders=False, touch=None)
         if len(found) != 1:
             continue
         (ln,) = found

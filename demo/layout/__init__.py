@@ -65,5 +65,18 @@ def line_strips(image: Any) -> list[list[Any]]:
     return [[strip(page.norm, ln, p) for p in ln.pieces] for ln in page.lines]
 
 
-__all__ = ["BASELINE", "LINE_HEIGHT", "Line", "MARGIN", "MAX_WIDTH", "Page", "TOP", "WORD_GAP",
-           "find_lines", "line_strips", "normalise", "read_page", "strip"]
+__all__ = [
+    "BASELINE",
+    "LINE_HEIGHT",
+    "MARGIN",
+    "MAX_WIDTH",
+    "TOP",
+    "WORD_GAP",
+    "Line",
+    "Page",
+    "find_lines",
+    "line_strips",
+    "normalise",
+    "read_page",
+    "strip",
+]

@@ -37,6 +37,7 @@ WORD_GAP = 0.4
 # price after a receipt's spaces, the next cell of a table. The model reads one run of
 # text per strip; a wide blank inside a strip is where it stopped reading.
 WIDE_GAP = 1.3
+TOUCH = 0.3  # see _split_touching
 
 
 @dataclass(frozen=True)
@@ -58,22 +59,28 @@ class Line:
         return (BASELINE - TOP) / max(self.baseline - self.ink_top, 1)
 
 
-def _split_touching(profile: np.ndarray, start: int, stop: int) -> list[int]:
+def _split_touching(profile: np.ndarray, start: int, stop: int, touch: float | None
+                    ) -> list[int]:
     """Rows where a block of ink rows holds more than one line (lines set so close that a
     descender touches the ascender below): the lowest row between consecutive cores (runs
-    at or above a quarter of the block's peak, at least half the tallest core high)."""
-    p = np.convolve(profile[start:stop], np.ones(3) / 3, mode="same")
+    at or above a quarter of the block's peak, at least half the tallest core high), where
+    that row holds little ink (a few touching strokes, under TOUCH of the block's mean: a
+    row of dot leaders or heavy serifs on one line's baseline is a core of its own, but
+    the rows above it are full of letters)."""
+    raw = profile[start:stop]
+    p = np.convolve(raw, np.ones(3) / 3, mode="same")
     cores = runs(p >= 0.25 * p.max())
     tall = max(b - a for a, b in cores)
     cores = [(a, b) for a, b in cores if b - a >= 0.5 * tall]
-    return [start + b0 + int(np.argmin(p[b0:a1])) for (_, b0), (a1, _) in itertools.pairwise(cores)]
+    cuts = [b0 + int(np.argmin(p[b0:a1])) for (_, b0), (a1, _) in itertools.pairwise(cores)]
+    return [start + c for c in cuts if touch is None or raw[c] <= touch * raw.mean()]
 
 
-def bands(profile: np.ndarray) -> list[tuple[int, int]]:
-    """The row bands of a page's lines, top to bottom."""
+def bands(profile: np.ndarray, touch: float | None = TOUCH) -> list[tuple[int, int]]:
+    """The row bands of a page's lines, top to bottom (``touch``: _split_touching's)."""
     found: list[tuple[int, int]] = []
     for a, b in runs(profile > 0):
-        cuts = _split_touching(profile, a, b)
+        cuts = _split_touching(profile, a, b, touch)
         found += list(zip([a] + cuts, cuts + [b]))
     if not found:
         return []
@@ -112,8 +119,8 @@ def text_height(ink: np.ndarray) -> float:
 
 def _leaders(band: np.ndarray, base: int, height: int) -> np.ndarray:
     """Columns of ``band`` (its rows, the line's baseline row ``base`` within it) that hold a
-    dot leader: four or more small marks on the baseline in a row, each within a line height
-    of the next ("Coffee ........ 3.50"). An ellipsis (three dots) stays text."""
+    dot leader: four or more small marks on the baseline in a row, each within two line
+    heights of the next ("Coffee ........ 3.50", ". . . ."). An ellipsis stays text."""
     cols = band.any(axis=0)
     marks = []
     for a, b in runs(cols):
@@ -124,7 +131,8 @@ def _leaders(band: np.ndarray, base: int, height: int) -> np.ndarray:
     i = 0
     while i < len(marks):
         j = i
-        while j < len(marks) and marks[j][2] and (j == i or marks[j][0] - marks[j - 1][1] <= height):
+        while j < len(marks) and marks[j][2] and (j == i or marks[j][0] - marks[j - 1][1]
+                                                  <= 2 * height):
             j += 1
         if j - i >= 4:
             out[marks[i][0]:marks[j - 1][1]] = True
@@ -156,11 +164,13 @@ def _pieces(cols: np.ndarray, height: int, max_width: float, word_gap: float,
 def find_lines(norm: np.ndarray, max_width: float | None = None,
                word_gap: float | None = None, *, ink: np.ndarray | None = None,
                box: tuple[int, int, int, int] | None = None,
-               wide_gap: float | None = WIDE_GAP, leaders: bool = True) -> list[Line]:
+               wide_gap: float | None = WIDE_GAP, leaders: bool = True,
+               touch: float | None = TOUCH) -> list[Line]:
     """The text lines of a normalised page (``normalise``), top to bottom, in page pixels;
     pieces up to ``max_width`` (MAX_WIDTH) strip pixels, split at gaps of ``word_gap``
     (WORD_GAP) and always at ``wide_gap`` (None: never), dot leaders taken out
-    (``leaders``). ``ink``: the page's ink mask (default: ``ink_mask(norm)``); ``box``:
+    (``leaders``), touching lines split where few strokes touch (``touch``; None: at every
+    valley between cores). ``ink``: the page's ink mask (default: ``ink_mask(norm)``); ``box``:
     (top, bottom, left, right), the block to read (default: the whole page)."""
     max_width = MAX_WIDTH if max_width is None else max_width
     word_gap = WORD_GAP if word_gap is None else word_gap
@@ -168,7 +178,7 @@ def find_lines(norm: np.ndarray, max_width: float | None = None,
     y0, y1, x0, x1 = box or (0, ink.shape[0], 0, ink.shape[1])
     block = ink[y0:y1, x0:x1]
     lines = []
-    for top, bottom in bands(block.sum(axis=1)):
+    for top, bottom in bands(block.sum(axis=1), touch):
         band = block[top:bottom]
         rows, cols = np.nonzero(band.any(axis=1))[0], band.sum(axis=0)
         if len(rows) == 0 or band.sum() < 6:
