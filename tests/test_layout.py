@@ -119,7 +119,8 @@ def test_page_strips_round_trip_and_reads_lines_rule() -> None:
     strips = page_strips(buf.getvalue())
     assert [len(r) for r in strips] == [1, 1, 1]
     assert all(Image.open(io.BytesIO(p)).height == layout.LINE_HEIGHT for r in strips for p in r)
-    assert reads_lines("lines") and not reads_lines("auto") and not reads_lines("page")
+    assert reads_lines("auto", "ocr_demo") and reads_lines("lines", "Qwen2-VL")
+    assert not reads_lines("auto", "Qwen2-VL") and not reads_lines("page", "ocr_demo")
 
 
 def test_a_page_is_read_line_by_line_in_order() -> None:
