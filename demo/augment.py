@@ -6,7 +6,7 @@ of the held-out set, demo/heldout.py, are not among them), anywhere on a canvas 
 margins, on white, grey, dark (light text), textured or unevenly lit backgrounds, blurred,
 noisy or JPEG-compressed; the text mixes render.py's words with random words in any case,
 numbers with separators and random characters. The canvas then goes through the layout
-step (jobs/layout.py) exactly as `triptych ocr --layout lines` sends it, and each strip is
+step (demo/layout/) exactly as `triptych ocr --layout lines` sends it, and each strip is
 a training sample with the characters its pieces hold: the model learns the strips it will
 be shown, including the layout step's own slips of scale and position.
 """
@@ -18,8 +18,7 @@ import random
 import string
 from typing import Any
 
-from triptych.demo import render
-from triptych.jobs import layout
+from triptych.demo import layout, render
 
 _DIR = render.DEJAVU_DIR
 FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif-Bold.ttf",
@@ -28,8 +27,10 @@ FACES = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSerif
          "DejaVuSerifCondensed.ttf", "DejaVuSans-ExtraLight.ttf"]
 # How training cuts its strips: the layout step's settings when the shipped phases 4-6 were
 # trained (pieces up to 420 px, 6-px margin, word gaps from a quarter of the ink height),
-# kept here so the recipe draws what it drew. `triptych ocr` has since cut shorter pieces
-# (jobs/layout.py: read better on the dev set); training on those is another recipe.
+# kept here so the recipe draws what it drew (and, likewise, no wide-gap cuts, no dot
+# leaders taken out, every valley between two cores a line break, as then). The layout step
+# has since cut shorter pieces (demo/layout/: read better on the dev set); the sequence
+# phase trains on those (demo/sequences.py).
 CUT = {"max_width": 420, "margin": 6, "word_gap": 0.25}
 
 
@@ -119,7 +120,8 @@ def sample(rng: random.Random, max_chars: int, columns: list[list[list[int]]] | 
                           y0 + asc + desc + rng.randint(2, 30))
         ImageDraw.Draw(img).text((x0 - min(left, 0), y0), line, font=font, fill=fg)
         norm = layout.normalise(_degrade(rng, img))
-        found = layout.find_lines(norm, CUT["max_width"], CUT["word_gap"])
+        found = layout.find_lines(norm, CUT["max_width"], CUT["word_gap"], wide_gap=None,
+                                  leaders=False, touch=None)
         if len(found) != 1:
             continue
         (ln,) = found

@@ -9,9 +9,9 @@ from typing import Any
 
 from triptych.demo import augment, render, template
 
-# Whole phrases the tokenizer keeps as one token each (added tokens): the prompts an OCR job
-# sends (jobs/ocr.py's default first) and the template's role names. Every other text is
-# one token per character; these would cost ~60 tokens per sample in training otherwise.
+# Whole phrases the tokenizer keeps as one special token each: the prompts an OCR job sends
+# (jobs/ocr.py's default first) and the template's role names. Every other text is one
+# token per character; these would cost ~60 tokens per sample in training otherwise.
 PHRASES = [template.INSTRUCTION, "Transcribe the text.",
            "What is written here?", "Read the text in this image.", "What does it say?",
            "user\n", "assistant\n", "system\n"]
@@ -33,6 +33,12 @@ class Batcher:
         self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.proc_image_id = self.tok.convert_tokens_to_ids("<|image_pad|>")
 
+    def label_ids(self, text: str) -> list[int]:
+        """A transcription's target ids: its characters (a phrase token such as "user\n" is
+        template text, never an answer's: split_special_tokens) and the closing EOS."""
+        return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True) + \
+            [self.eos]
+
     def prompt_ids(self, grid: Any, prompt: str, text_first: bool = False) -> list[int]:
         content = [{"type": "image"}, {"type": "text", "text": prompt}]
         msgs = [{"role": "user", "content": content[::-1] if text_first else content}]
@@ -53,7 +59,7 @@ class Batcher:
         rows, labels = [], []
         for (_, text), grid, (prompt, text_first) in zip(samples, enc["image_grid_thw"], prompts):
             p = self.prompt_ids(grid, prompt, text_first)
-            t = self.tok.encode(text, add_special_tokens=False) + [self.eos]
+            t = self.label_ids(text)
             rows.append(p + t)
             labels.append([-100] * len(p) + t)
         n = max(map(len, rows))

@@ -42,7 +42,7 @@ def evaluate_strips(model: Any, batcher: Batcher, n: int, seed: int) -> float:
     them: the layout step's strips, each read greedily, a line's pieces joined."""
     import torch
     from triptych.demo import heldout
-    from triptych.jobs.layout import line_strips
+    from triptych.demo.layout import line_strips
 
     errs = tot = 0
     with torch.no_grad():

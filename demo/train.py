@@ -34,7 +34,8 @@ IMAGE_MEAN, IMAGE_STD = 0.92, 0.5
 
 def char_tokenizer() -> Any:
     """Byte-level tokens without merges: one token per character (ASCII), any text encodes;
-    the Qwen2-VL specials and the ChatML template as models/tiny.py writes them."""
+    the Qwen2-VL specials and the ChatML template as models/tiny.py writes them; PHRASES
+    (prompts and role names) as special tokens of their own."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from triptych.models.tiny import SPECIAL_TOKENS
@@ -44,7 +45,10 @@ def char_tokenizer() -> Any:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tk.add_tokens([AddedToken(t, normalized=False) for t in PHRASES])
+    # NOTE: special, so no answer shows one (every decode skips special tokens by default):
+    # they are prompt and template text, never a transcription's (batches.py encodes
+    # transcriptions character by character, split_special_tokens)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in PHRASES])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None,
                                   model_max_length=32768)

@@ -72,7 +72,7 @@ def add_parser(subparsers: Any) -> None:
                         "default server's image cap (--max-image-pixels)")
     r.add_argument("--layout", choices=LAYOUTS, default="auto",
                    help="page: send each page whole; lines: find its text lines and send "
-                        "each line (jobs/layout.py), for a model that reads lines; auto: "
+                        "each line (demo/layout/), for a model that reads lines; auto: "
                         "lines for the built-in demo model, page for any other")
     r.add_argument("--max-concurrency", type=int, default=16,
                    help="pages in flight at once (and requests, with --layout lines)")

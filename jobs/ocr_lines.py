@@ -1,6 +1,6 @@
 """`triptych ocr --layout lines`: a page read line by line (the built-in demo model's way).
 
-    page image -> jobs/layout.py (text lines in reading order, each piece as a strip in the
+    page image -> demo/layout/ (text lines in reading order, each piece as a strip in the
       geometry the model reads) -> one chat request per strip, all of a page's at once
       within --max-concurrency requests over the whole run -> the page's text: a line's
       pieces joined by spaces, lines by newlines
@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from triptych.api.media.pixels import to_rgb8
-from triptych.jobs.layout import line_strips
+from triptych.demo.layout import line_strips
 from triptych.jobs.ocr_output import PageResult
 
 DEMO_NAME = "ocr_demo"  # the served name of the built-in demo checkpoint (demo/ocr_demo)

@@ -72,3 +72,20 @@ def test_the_checkpoint_carries_the_serving_template_for_both_loaders() -> None:
         assert f.read() == template.SERVE
     with open(os.path.join(ckpt, "chat_template.json")) as f:
         assert json.load(f)["chat_template"] == template.SERVE
+
+
+def test_template_text_never_reaches_an_answer(tok) -> None:
+    """The prompt phrases and role names are special tokens: an answer's text drops them as
+    it drops <|im_start|> (every decode skips special tokens unless asked not to), and
+    training spells them out letter by letter when a transcription holds one, so reading
+    a line that ends in "user" still says so."""
+    from triptych.demo.batches import PHRASES
+
+    ids = [tok.convert_tokens_to_ids(p) for p in PHRASES]
+    assert all(tok.added_tokens_decoder[i].special for i in ids)
+    leaked = tok.decode([ids[5], ids[5], *tok.encode("ok", add_special_tokens=False)],
+                        skip_special_tokens=True)
+    assert leaked == "ok"  # was "user\nuser\nok"
+    labels = Batcher(demo_checkpoint()).label_ids("the user\nsystem")
+    assert not set(labels) & set(ids)
+    assert tok.decode(labels, skip_special_tokens=True) == "the user\nsystem"

@@ -237,7 +237,7 @@ def test_training_strips_do_not_follow_the_ocr_layout_settings(monkeypatch) -> N
     (augment.CUT), so retuning `triptych ocr`'s layout step leaves the recipe's draw as it
     was (it once moved every phase from step ~1: the data changed under the recipe)."""
     from triptych.demo import augment
-    from triptych.jobs import layout
+    from triptych.demo.layout import lines as layout
 
     def draw() -> list[tuple[bytes, str, list]]:
         rng, out = random.Random(3), []

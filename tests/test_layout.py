@@ -12,8 +12,7 @@ import random
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
-from triptych.demo import heldout
-from triptych.jobs import layout
+from triptych.demo import heldout, layout
 from triptych.jobs.ocr_lines import page_strips, reads_lines, transcribe_lines
 from triptych.jobs.ocr_output import PageResult
 
@@ -151,3 +150,118 @@ def test_a_page_is_read_line_by_line_in_order() -> None:
     Image.new("RGB", (200, 100), "white").save(blank, format="PNG")
     r = asyncio.run(transcribe_lines(blank.getvalue(), fail, asyncio.Semaphore(2)))
     assert (r.text, r.error) == ("", None)
+
+
+# -- whole pages: skew, columns, rules and tables, receipts (layout.read_page) ------------------
+WORDS = ["above", "budget", "camera", "decide", "energy", "family", "garden", "central",
+         "finish", "choice", "market", "doctor", "evening", "friend", "college"]
+
+
+def face(name: str, size: int):
+    return heldout.font((name, name), size)
+
+
+def text_page(lines: list[str], size: int = 18, width: int = 600, x: int = 30):
+    f = face("DejaVuSans.ttf", size)
+    img = Image.new("RGB", (width, 40 + len(lines) * int(size * 1.6)), "white")
+    for i, t in enumerate(lines):
+        ImageDraw.Draw(img).text((x, 20 + i * int(size * 1.6)), t, font=f, fill=0)
+    return img
+
+
+def some_words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.mark.parametrize("angle", [-4.5, -2.0, 1.0, 3.0])
+def test_a_turned_scan_is_set_level_and_read_line_by_line(angle: float) -> None:
+    rng = random.Random(1)
+    lines = [some_words(rng, 6) for _ in range(8)]
+    straight = text_page(lines)
+    turned = straight.rotate(-angle, resample=Image.Resampling.BICUBIC, expand=True,
+                             fillcolor="white")  # PIL turns anticlockwise: lines fall right
+    page = layout.read_page(turned)
+    assert abs(page.angle - angle) <= 0.15, page.angle
+    assert len(page.lines) == len(lines)
+    assert [len(ln.pieces) for ln in page.lines] == [len(ln.pieces) for ln in
+                                                     layout.read_page(straight).lines]
+
+
+def test_a_level_page_is_not_turned() -> None:
+    img = text_page([some_words(random.Random(2), 5) for _ in range(4)])
+    page = layout.read_page(img)
+    assert page.angle == 0.0 and np.array_equal(page.norm, layout.normalise(img))
+
+
+def test_two_columns_are_read_one_after_the_other() -> None:
+    rng = random.Random(3)
+    f, title = face("DejaVuSerif.ttf", 16), face("DejaVuSans-Bold.ttf", 24)
+    img = Image.new("RGB", (700, 340), "white")
+    d = ImageDraw.Draw(img)
+    d.text((20, 10), "A title across both", font=title, fill=0)
+    for i in range(10):  # the columns' lines side by side, on the same rows
+        d.text((20, 60 + 24 * i), some_words(rng, 4), font=f, fill=0)
+        d.text((370, 60 + 24 * i), some_words(rng, 4), font=f, fill=0)
+    lines = layout.read_page(img).lines
+    assert len(lines) == 21
+    assert all(ln.right < 360 for ln in lines[1:11]) and all(ln.left > 360 for ln in lines[11:])
+    assert [ln.ink_top for ln in lines[1:11]] == sorted(ln.ink_top for ln in lines[1:11])
+
+
+def receipt(leaders: bool) -> tuple[Image.Image, list[tuple[int, int]]]:
+    """Six items with their prices set flush right (after dot leaders or spaces: item, gap
+    and price narrower than one piece), a rule below; and each line's (item end, price
+    start) in pixels."""
+    rng, f, right = random.Random(4), face("DejaVuSansMono.ttf", 18), 230
+    img = Image.new("RGB", (260, 220), "white")
+    d, ends = ImageDraw.Draw(img), []
+    for i in range(6):
+        item, price, y = some_words(rng, 1), f"{rng.randint(1, 99)}.{rng.randint(0, 99):02d}", \
+            20 + 26 * i
+        d.text((20, y), item, font=f, fill=0)
+        d.text((right - f.getlength(price), y), price, font=f, fill=0)
+        x = 20 + f.getlength(item) + 10
+        while leaders and x < right - f.getlength(price) - 14:
+            d.text((x, y), ".", font=f, fill=0)
+            x += 11
+        ends.append((int(20 + f.getlength(item)), int(right - f.getlength(price))))
+    d.line((20, 180, right, 180), fill=0, width=2)
+    return img, ends
+
+
+@pytest.mark.parametrize("leaders", [False, True])
+def test_a_receipt_reads_item_then_price_with_the_gap_between(leaders: bool) -> None:
+    img, ends = receipt(leaders)
+    lines = layout.read_page(img).lines
+    assert len(lines) == 6  # the rule below is no line
+    for ln, (item_end, price_start) in zip(lines, ends):
+        (_, a1), (b0, _) = ln.pieces  # the item, then the price: nothing between
+        assert a1 <= item_end + 2 and b0 >= price_start - 2, (ln.pieces, item_end, price_start)
+
+
+def test_a_table_with_a_grid_reads_row_by_row_without_its_rules() -> None:
+    rng, f = random.Random(5), face("DejaVuSans.ttf", 17)
+    img = Image.new("RGB", (520, 200), "white")
+    d, xs = ImageDraw.Draw(img), [10, 180, 300, 510]
+    for r in range(5):
+        for c, cell in enumerate([rng.choice(WORDS), str(rng.randint(1, 999)), "$1.25"]):
+            d.text((xs[c] + 8, 14 + 36 * r), cell, font=f, fill=0)
+    for r in range(6):
+        d.line((10, 8 + 36 * r, 510, 8 + 36 * r), fill=0, width=1)
+    for x in xs:
+        d.line((x, 8, x, 188), fill=0, width=1)
+    page = layout.read_page(img)
+    assert [len(ln.pieces) for ln in page.lines] == [3] * 5
+    assert all(xs[c] < p[0] < p[1] < xs[c + 1] for ln in page.lines
+               for c, p in enumerate(ln.pieces))
+    assert page.norm[8:189, xs].min() > 0.9  # the grid is background now
+
+
+def test_a_short_item_before_long_dot_leaders_stays_one_line() -> None:
+    """The leaders' row of dots on the baseline outweighs the few letters above it: a core
+    of its own, but no touching line (the rows between hold letters, not a few strokes)."""
+    img = Image.new("RGB", (460, 60), "white")
+    ImageDraw.Draw(img).text((20, 20), "Tax " + "." * 30 + " 1.12",
+                             font=face("DejaVuSans.ttf", 18), fill=0)
+    (line,) = layout.read_page(img).lines
+    assert len(line.pieces) == 2
