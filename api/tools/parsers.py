@@ -38,8 +38,9 @@ class TextView:
     held: int = 0  # characters at the end held back: they may begin a start tag
 
 
-def _finish_args(raw: str | None) -> bool:
-    if raw is None:
+def is_json(raw: str | None) -> bool:
+    """Whether ``raw`` is a whole JSON value (arguments that are complete)."""
+    if not raw:
         return False
     try:
         json.loads(raw)
@@ -68,7 +69,7 @@ def read_object(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[CallView
     args = obj.raw(text, key) if key else None
     args = escape_controls(args) if args is not None else None
     done = obj.end is not None and name is not None and (
-        args is None or (obj.complete(key) and _finish_args(args)))
+        args is None or (obj.complete(key) and is_json(args)))
     if obj.end is not None and args is None:
         args = "{}"  # a call that names no arguments takes none
     bad = obj.bad or (obj.end is not None and not done)
@@ -145,6 +146,7 @@ __all__ = [
     "InternLMParser",
     "TagParser",
     "TextView",
+    "is_json",
     "parser_for",
     "read_object",
 ]

@@ -15,13 +15,12 @@ that may begin a start tag are held back until the next token tells.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from triptych.api.tools.json_scan import escape_controls, scan_array, skip_ws
-from triptych.api.tools.parsers import CallView, TextView, parser_for, read_object
+from triptych.api.tools.parsers import CallView, TextView, is_json, parser_for, read_object
 from triptych.api.tools.plan import ToolPlan
 
 
@@ -64,7 +63,7 @@ class ToolReader:
         choice = self.plan.choice
         if choice == "named":  # the whole text is the arguments
             raw = escape_controls(text[skip_ws(text, 0):].rstrip())
-            return TextView("", [CallView(self.plan.named, raw or None, _is_json(raw))])
+            return TextView("", [CallView(self.plan.named, raw or None, is_json(raw))])
         if choice == "required":
             return read_required(text)
         if choice == "auto" and self.plan.parser:
@@ -131,16 +130,6 @@ class ToolReader:
             return msg, "tool_calls"
         msg["content"] = ""
         return msg, "tool_calls" if choice == "required" and reason == "stop" else reason
-
-
-def _is_json(raw: str) -> bool:
-    if not raw:
-        return False
-    try:
-        json.loads(raw)
-    except ValueError:
-        return False
-    return True
 
 
 __all__ = ["ToolReader", "read_required", "tool_call_id"]
