@@ -55,7 +55,6 @@ def main() -> int:
     start = read_frame(inp, Start)
     if start is None:
         return 0
-    os.nice(start.nice)
     import torch
 
     torch.set_num_threads(1)
@@ -66,7 +65,8 @@ def main() -> int:
         from triptych.models import image_ops
 
         image_ops.load_resize()
-    write_frame(out, Done())
+    os.nice(start.nice)  # NOTE: after the imports: a first image does not wait for a
+    write_frame(out, Done())  # low-priority torch import on a busy host, only its own job
     while (job := read_frame(inp, Job)) is not None:
         write_frame(out, prepare(proc.for_request(), job))
     return 0

@@ -298,7 +298,8 @@ def test_overflowing_numbers_never_leak_a_slot(server):
 def test_symlink_swaps_never_read_outside_the_root(server, media_dir):
     sub = media_dir / "sub"
     body = {"messages": user(image_part(f"{sub}/swap/a.png"), text_part("?")), "max_tokens": 1}
-    inside = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=30)
+    # (the server's first image: its preparation process starts)
+    inside = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=120)
     assert inside.status_code == 200
     inside_tokens = inside.json()["usage"]["prompt_tokens"]
     os.symlink(media_dir / "outside", sub / "link")
