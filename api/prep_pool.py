@@ -78,7 +78,6 @@ class _Proc:
     def __init__(self, start: Start) -> None:
         self.start_msg = start
         self.proc: subprocess.Popen | None = None
-        self.ready = False  # started and answered (imports done)
 
     def ensure(self) -> subprocess.Popen:
         if self.proc is not None and self.proc.poll() is None:
@@ -97,11 +96,10 @@ class _Proc:
             self.kill()
             raise MediaError("the media preparation process did not start; see the server "
                              "log") from None
-        self.ready = True
         return p
 
     def kill(self) -> None:
-        p, self.proc, self.ready = self.proc, None, False
+        p, self.proc = self.proc, None
         if p is None:
             return
         p.kill()
@@ -135,12 +133,6 @@ class PrepPool:
                          for i, p in enumerate(self._procs)]
         for t in self._threads:
             t.start()
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until every process has started (after the first job: none starts before)."""
-        deadline = time.monotonic() + timeout_s
-        while not all(p.ready for p in self._procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     @property
     def pids(self) -> list[int]:
