@@ -6,14 +6,17 @@ serves image chats of 1080p / 4K photos, ``--concurrency`` at a time, one output
 with every cache off (each image is prepared every time). Servers with each preparation
 setting run side by side; rounds alternate between them and figures are medians:
 
-    hf-in-P0     --mm-processor-workers 0 --mm-preprocessor hf   (before issue 41)
+    filed        ``--baseline DIR``: the engine of another checkout (e.g. the commit the
+                 issue was filed at), with its own defaults: the path as it was
+    hf-in-P0     --mm-processor-workers 0 --mm-preprocessor hf   (HF's processor in P0)
     fast-in-P0   --mm-processor-workers 0                        (the fast path in P0)
     workers-N    --mm-processor-workers N                        (preparation processes)
 
 For each: image chats per second and CPU milliseconds per image in P0, in the preparation
 processes and in the engine worker (from /proc), with the images alone; then, with the same
 images again, the latency of a text-only request sent one after another while they stream
-in, against the same request on the idle server (median and p99). First, the preprocessing steps alone per image size (bench/prep.py).
+in, against the same request on the idle server (median and p99), from a client process of
+its own. First, the preprocessing steps alone per image size (bench/prep.py).
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ def add_parser(sub: Any) -> None:
                    help="--mm-processor-workers values to compare (0 also as hf-in-P0)")
     p.add_argument("--skip-steps", action="store_true",
                    help="skip the preprocessing-steps table (bench/prep.py)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="also serve with the triptych checkout in DIR (its own defaults, as "
+                        "'filed'), e.g. `git worktree add DIR <commit>` of the commit an issue "
+                        "was filed at: the path as it was, side by side in the same run")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
 
 
@@ -75,17 +82,25 @@ def _cpu_s(pid: int) -> float:
 class Server:
     """One `triptych serve` for the bench, its pids read from /health (an open server)."""
 
-    def __init__(self, model: str, flags: list[str], log: str) -> None:
+    def __init__(self, model: str, flags: list[str], log: str,
+                 checkout: str | None = None) -> None:
         import httpx
         from triptych.bench.layouts import _free_port
 
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "w")  # noqa: SIM115
+        env = None
+        if checkout:  # `triptych` imported from the other checkout: a folder holding a link
+            link = os.path.join(os.path.dirname(log), "baseline", "triptych")
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            if not os.path.islink(link):
+                os.symlink(os.path.abspath(checkout), link)
+            env = {**os.environ, "PYTHONPATH": os.path.dirname(link)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "triptych", "serve", "--model", model, "--host",
              "127.0.0.1", "--port", str(self.port), "--max-model-len", "2048", *CACHES_OFF,
-             *flags], stdout=self._log, stderr=subprocess.STDOUT)
+             *flags], stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 600
         while True:
             with contextlib.suppress(httpx.HTTPError):
@@ -129,27 +144,47 @@ def _chat(content: Any) -> dict:
             "max_tokens": 1, "temperature": 0}
 
 
-async def _text_latencies(client: Any, base: str, stop: asyncio.Event, out: list[float]
-                          ) -> None:
-    body = _chat("Say one word.")
-    while not stop.is_set():
+# The text chats come from their own client process: another user, whose latencies never
+# include this process's work of sending 16 image chats at once (one event loop, one GIL).
+TEXT_PROBE = """
+import json, select, sys, time
+import httpx
+base, count = sys.argv[1], int(sys.argv[2])
+body = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1,
+        "temperature": 0}
+out = []
+with httpx.Client(timeout=600) as c:
+    while count and len(out) < count or not count and not select.select([sys.stdin], [], [], 0)[0]:
         t0 = time.perf_counter()
-        r = await client.post(base + "/v1/chat/completions", json=body)
-        r.raise_for_status()
+        c.post(base + "/v1/chat/completions", json=body).raise_for_status()
         out.append(time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def _text_probe(base: str, count: int = 0) -> subprocess.Popen:
+    """A client process sending the text chat one after another: ``count`` of them, or
+    (0) until its stdin is closed; its latencies come on its stdout."""
+    return subprocess.Popen([sys.executable, "-c", TEXT_PROBE, base, str(count)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _probe_result(proc: subprocess.Popen) -> list[float]:
+    assert proc.stdin is not None and proc.stdout is not None
+    if not proc.stdin.closed:
+        proc.stdin.close()
+    out = proc.stdout.read()  # the probe ends by itself (a count, or stdin closed)
+    if proc.wait(600):
+        raise RuntimeError("the text probe failed")
+    return json.loads(out)
 
 
 async def _round(server: Server, url: str, images: int, concurrency: int) -> dict[str, Any]:
     import httpx
 
+    idle = _probe_result(_text_probe(server.base, 8))  # the text chat on the idle server
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        idle: list[float] = []
-        for _ in range(8):  # the same text request on the idle server
-            t0 = time.perf_counter()
-            (await client.post(server.base + "/v1/chat/completions",
-                               json=_chat("Say one word."))).raise_for_status()
-            idle.append(time.perf_counter() - t0)
         body = _chat([{"type": "image_url", "image_url": {"url": url}},
                       {"type": "text", "text": "What is it?"}])
         sem = asyncio.Semaphore(concurrency)
@@ -163,12 +198,10 @@ async def _round(server: Server, url: str, images: int, concurrency: int) -> dic
         cpu0, t0 = server.cpu(), time.perf_counter()
         await asyncio.gather(*(one() for _ in range(images)))
         wall, cpu1 = time.perf_counter() - t0, server.cpu()
-        # phase 2, the same images with a text request sent one after another beside them
-        stop, loaded = asyncio.Event(), []
-        probe = asyncio.ensure_future(_text_latencies(client, server.base, stop, loaded))
+        # phase 2, the same images with a text chat sent one after another beside them
+        probe = _text_probe(server.base)
         await asyncio.gather(*(one() for _ in range(images)))
-        stop.set()
-        await probe
+        loaded = _probe_result(probe)  # (closing its stdin stops it)
     ms = {k: 1000 * (cpu1[k] - cpu0[k]) / images for k in cpu0}
     return {"chats_per_s": images / wall, "p0_ms": ms["p0"], "prep_ms": ms["prep"],
             "worker_ms": ms["worker"], "text_idle_s": statistics.median(idle),
@@ -181,11 +214,13 @@ def _median(rounds: list[dict[str, Any]]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _servers(model: str, cfgs: dict[str, list[str]], d: str) -> Iterator[dict[str, Server]]:
+def _servers(model: str, cfgs: dict[str, list[str]], d: str, baseline: str | None
+             ) -> Iterator[dict[str, Server]]:
     servers: dict[str, Server] = {}
     try:
         for name, flags in cfgs.items():
-            servers[name] = Server(model, flags, os.path.join(d, f"{name}.log"))
+            servers[name] = Server(model, flags, os.path.join(d, f"{name}.log"),
+                                   baseline if name == "filed" else None)
         yield servers
     finally:
         for s in servers.values():
@@ -207,12 +242,14 @@ def run(args: argparse.Namespace) -> int:
         print(format_rows(rows), flush=True)
         report["steps"] = [{"size": list(r.size), "setup": r.setup, "ms": r.ms} for r in rows]
     cfgs = configs([int(x) for x in args.workers.split(",")])
+    if args.baseline:
+        cfgs = {"filed": [], **cfgs}
     with tempfile.TemporaryDirectory() as d:
         model = args.model
         if model is None:
             from triptych.models.tiny import make_tiny
             model = make_tiny("qwen2_vl", os.path.join(d, "tiny"), seed=0)
-        with _servers(model, cfgs, d) as servers:
+        with _servers(model, cfgs, d, args.baseline) as servers:
             warm = "data:image/jpeg;base64," + base64.b64encode(photo(640, 480)).decode()
             for server in servers.values():
                 server.warm(warm)
@@ -236,11 +273,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(size: str, table: dict[str, dict[str, float]]) -> None:
     base = table["hf-in-P0"]["chats_per_s"]
+    filed = table.get("filed", {}).get("chats_per_s")
     print(f"\n{size} photos, medians over rounds")
-    print(f"{'config':12} {'chats/s':>8} {'x hf-in-P0':>10} {'P0 ms/img':>9} {'prep ms/img':>11} "
+    print(f"{'config':12} {'chats/s':>8} {'x hf-in-P0':>10} {'x filed':>7} {'P0 ms/img':>9} {'prep ms/img':>11} "
           f"{'worker ms':>9} {'text idle':>9} {'text load':>9} {'x idle':>6} {'p99':>7}")
     for name, t in table.items():
-        print(f"{name:12} {t['chats_per_s']:8.2f} {t['chats_per_s'] / base:10.2f} "
+        vs_filed = f"{t['chats_per_s'] / filed:7.2f}" if filed else f"{'-':>7}"
+        print(f"{name:12} {t['chats_per_s']:8.2f} {t['chats_per_s'] / base:10.2f} {vs_filed} "
               f"{t['p0_ms']:9.1f} {t['prep_ms']:11.1f} {t['worker_ms']:9.1f} "
               f"{t['text_idle_s'] * 1000:7.0f}ms {t['text_loaded_s'] * 1000:7.0f}ms "
               f"{t['text_loaded_s'] / t['text_idle_s']:6.1f} {t['text_loaded_p99_s'] * 1000:5.0f}ms",
