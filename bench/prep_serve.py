@@ -11,6 +11,8 @@ setting run side by side; rounds alternate between them and figures are medians:
     hf-in-P0     --mm-processor-workers 0 --mm-preprocessor hf   (HF's processor in P0)
     fast-in-P0   --mm-processor-workers 0                        (the fast path in P0)
     workers-N    --mm-processor-workers N                        (preparation processes)
+    workers-N+E  the same, the vision tower in an encode worker of its own
+                 (``--encode-pool``: --encode-workers 1 --decode-workers 1)
 
 For each: image chats per second and CPU milliseconds per image in P0, in the preparation
 processes and in the engine worker (from /proc), with the images alone; then, with the same
@@ -56,6 +58,10 @@ def add_parser(sub: Any) -> None:
                    help="--mm-processor-workers values to compare (0 also as hf-in-P0)")
     p.add_argument("--skip-steps", action="store_true",
                    help="skip the preprocessing-steps table (bench/prep.py)")
+    p.add_argument("--encode-pool", action="store_true",
+                   help="also serve the most preparation processes with the vision tower in "
+                        "an encode worker of its own (--encode-workers 1 --decode-workers 1): "
+                        "text steps then never hold an image's tower")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="also serve with the triptych checkout in DIR (its own defaults, as "
                         "'filed'), e.g. `git worktree add DIR <commit>` of the commit an issue "
@@ -242,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_rows(rows), flush=True)
         report["steps"] = [{"size": list(r.size), "setup": r.setup, "ms": r.ms} for r in rows]
     cfgs = configs([int(x) for x in args.workers.split(",")])
+    if args.encode_pool:
+        n = max(int(x) for x in args.workers.split(","))
+        cfgs[f"workers-{n}+E"] = ["--mm-processor-workers", str(n), "--encode-workers", "1",
+                                  "--decode-workers", "1"]
     if args.baseline:
         cfgs = {"filed": [], **cfgs}
     with tempfile.TemporaryDirectory() as d:
