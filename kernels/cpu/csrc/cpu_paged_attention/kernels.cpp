@@ -6,10 +6,11 @@
 // Work item = (sequence b, KV head h): its G = H / Hkv query heads share every K/V row
 // read, so each cached row is loaded once per step.
 //
-//   avx512   head sizes that are a multiple of 16 (64, 128, ...): each K row is loaded once
-//            per block and its chunks feed every query head of the group; each score ends in
-//            one horizontal sum of 4 partial vectors (independent FMA chains); P @ V keeps 4
-//            output chunks per head in registers across the block's tokens
+//   avx512   head sizes that are a multiple of 16 from 64 (64, 80, 128, ...): each K row is
+//            loaded once per block and its chunks feed every query head of the group; each
+//            score ends in one horizontal sum of 4 partial vectors (independent FMA chains);
+//            P @ V keeps 4 output chunks per head in registers across the block's tokens;
+//            smaller head sizes that are a multiple of 8 take the 8-lane path below
 //   avx2     the same in 8-lane vectors for head sizes that are a multiple of 8
 //   generic  (and other head sizes) `omp simd` loops the compiler vectorises
 // bf16 / fp16 rows are widened to fp32 in registers.
@@ -72,122 +73,176 @@ inline float exp_neg(float x) {
   return p * bits_to_f(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int64_t LANES = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vset(float v) { return _mm512_set1_ps(v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-inline vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline vec load_bf16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline vec load_f16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int64_t LANES = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vset(float v) { return _mm256_set1_ps(v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(vec v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-inline vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline vec load_bf16(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline vec load_f16(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#else
-constexpr int64_t LANES = 0;  // no vector path: the portable loops
+// The vector paths, one policy struct per register width. An AVX-512 copy has both: the
+// 16-lane one for head sizes that fill its 4-chain loop (a multiple of 16, at least 64),
+// the 8-lane one below that (D = 32: four 8-lane chains and one 256-bit horizontal sum per
+// score instead of one 16-lane chain and a 512-bit sum; ~25% faster per call measured on
+// Zen 4, batch 16, ~725 tokens of context).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TRIPTYCH_V256 1
+struct V256 {
+  static constexpr int64_t LANES = 8;
+  using vec = __m256;
+  static vec zero() { return _mm256_setzero_ps(); }
+  static vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  static vec set(float v) { return _mm256_set1_ps(v); }
+  static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+  static float sum(vec v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  static vec row(const float* p) { return _mm256_loadu_ps(p); }
+  static vec row_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static vec row_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
 #endif
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-constexpr int64_t C4 = 4 * LANES;  // one step of the 4-chain loops
-template <typename Fmt>
-inline vec vrow(const typename Fmt::T* p);
-template <>
-inline vec vrow<F32>(const float* p) { return load(p); }
-template <>
-inline vec vrow<Bf16>(const uint16_t* p) { return load_bf16(p); }
-template <>
-inline vec vrow<F16>(const uint16_t* p) { return load_f16(p); }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TRIPTYCH_V512 1
+struct V512 {
+  static constexpr int64_t LANES = 16;
+  using vec = __m512;
+  static vec zero() { return _mm512_setzero_ps(); }
+  static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  static vec set(float v) { return _mm512_set1_ps(v); }
+  static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+  static float sum(vec v) { return _mm512_reduce_add_ps(v); }
+  static vec row(const float* p) { return _mm512_loadu_ps(p); }
+  static vec row_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static vec row_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+#endif
+
+// A cached row's chunk widened to fp32 lanes, per storage format.
+template <typename V, typename Fmt>
+struct Row;
+template <typename V>
+struct Row<V, F32> {
+  static typename V::vec at(const float* p) { return V::row(p); }
+};
+template <typename V>
+struct Row<V, Bf16> {
+  static typename V::vec at(const uint16_t* p) { return V::row_bf16(p); }
+};
+template <typename V>
+struct Row<V, F16> {
+  static typename V::vec at(const uint16_t* p) { return V::row_f16(p); }
+};
 
 // s[g * bs + t] = qf[g] . k_t for the block's n tokens; qf is [G, D] fp32 (pre-scaled).
-template <typename Fmt>
+template <typename V, typename Fmt>
 inline void block_scores(const float* qf, const typename Fmt::T* kb, int64_t row, int64_t n,
                          int64_t G, int64_t D, int64_t bs, float* s) {
+  constexpr int64_t L = V::LANES, C4 = 4 * L;  // one step of the 4-chain loop
+  using R = Row<V, Fmt>;
   for (int64_t t = 0; t < n; ++t) {
     const typename Fmt::T* kt = kb + t * row;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
-      vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      typename V::vec a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
       int64_t c = 0;
       for (; c + C4 <= D; c += C4) {
-        a0 = vfma(vload(qg + c), vrow<Fmt>(kt + c), a0);
-        a1 = vfma(vload(qg + c + LANES), vrow<Fmt>(kt + c + LANES), a1);
-        a2 = vfma(vload(qg + c + 2 * LANES), vrow<Fmt>(kt + c + 2 * LANES), a2);
-        a3 = vfma(vload(qg + c + 3 * LANES), vrow<Fmt>(kt + c + 3 * LANES), a3);
+        a0 = V::fma(V::load(qg + c), R::at(kt + c), a0);
+        a1 = V::fma(V::load(qg + c + L), R::at(kt + c + L), a1);
+        a2 = V::fma(V::load(qg + c + 2 * L), R::at(kt + c + 2 * L), a2);
+        a3 = V::fma(V::load(qg + c + 3 * L), R::at(kt + c + 3 * L), a3);
       }
-      for (; c < D; c += LANES) a0 = vfma(vload(qg + c), vrow<Fmt>(kt + c), a0);
-      s[g * bs + t] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+      for (; c < D; c += L) a0 = V::fma(V::load(qg + c), R::at(kt + c), a0);
+      s[g * bs + t] = V::sum(V::add(V::add(a0, a1), V::add(a2, a3)));
     }
   }
 }
 
 // acc[g] += sum_t p[g * bs + t] * v_t over the block's n tokens, 4 vectors of D at a time.
-template <typename Fmt>
+template <typename V, typename Fmt>
 inline void block_pv(const float* p, const typename Fmt::T* vb, int64_t row, int64_t n,
                      int64_t G, int64_t D, int64_t bs, float* acc) {
+  constexpr int64_t L = V::LANES, C4 = 4 * L;
+  using R = Row<V, Fmt>;
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = p + g * bs;
     float* ag = acc + g * D;
     int64_t c = 0;
     for (; c + C4 <= D; c += C4) {
-      vec r0 = vload(ag + c), r1 = vload(ag + c + LANES);
-      vec r2 = vload(ag + c + 2 * LANES), r3 = vload(ag + c + 3 * LANES);
+      typename V::vec r0 = V::load(ag + c), r1 = V::load(ag + c + L);
+      typename V::vec r2 = V::load(ag + c + 2 * L), r3 = V::load(ag + c + 3 * L);
       for (int64_t t = 0; t < n; ++t) {
         const typename Fmt::T* vt = vb + t * row + c;
-        const vec w = vset(pg[t]);
-        r0 = vfma(w, vrow<Fmt>(vt), r0);
-        r1 = vfma(w, vrow<Fmt>(vt + LANES), r1);
-        r2 = vfma(w, vrow<Fmt>(vt + 2 * LANES), r2);
-        r3 = vfma(w, vrow<Fmt>(vt + 3 * LANES), r3);
+        const typename V::vec w = V::set(pg[t]);
+        r0 = V::fma(w, R::at(vt), r0);
+        r1 = V::fma(w, R::at(vt + L), r1);
+        r2 = V::fma(w, R::at(vt + 2 * L), r2);
+        r3 = V::fma(w, R::at(vt + 3 * L), r3);
       }
-      vstore(ag + c, r0);
-      vstore(ag + c + LANES, r1);
-      vstore(ag + c + 2 * LANES, r2);
-      vstore(ag + c + 3 * LANES, r3);
+      V::store(ag + c, r0);
+      V::store(ag + c + L, r1);
+      V::store(ag + c + 2 * L, r2);
+      V::store(ag + c + 3 * L, r3);
     }
-    for (; c < D; c += LANES) {
-      vec r = vload(ag + c);
-      for (int64_t t = 0; t < n; ++t) r = vfma(vset(pg[t]), vrow<Fmt>(vb + t * row + c), r);
-      vstore(ag + c, r);
+    for (; c < D; c += L) {
+      typename V::vec r = V::load(ag + c);
+      for (int64_t t = 0; t < n; ++t) r = V::fma(V::set(pg[t]), R::at(vb + t * row + c), r);
+      V::store(ag + c, r);
     }
   }
 }
-#else
-template <typename Fmt>
-inline void block_scores(const float*, const typename Fmt::T*, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, float*) {}
-template <typename Fmt>
-inline void block_pv(const float*, const typename Fmt::T*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, float*) {}
+
+// Which path a head size takes in this copy.
+enum class Path { portable, v256, v512 };
+
+inline Path path_for(int64_t D) {
+#ifdef TRIPTYCH_V512
+  if (D % 16 == 0 && D >= 64) return Path::v512;
 #endif
+#ifdef TRIPTYCH_V256
+  if (D % 8 == 0) return Path::v256;
+#endif
+  (void)D;
+  return Path::portable;
+}
+
+template <typename Fmt>
+inline void scores(Path path, const float* qf, const typename Fmt::T* kb, int64_t row,
+                   int64_t n, int64_t G, int64_t D, int64_t bs, float* s) {
+#ifdef TRIPTYCH_V512
+  if (path == Path::v512) return block_scores<V512, Fmt>(qf, kb, row, n, G, D, bs, s);
+#endif
+#ifdef TRIPTYCH_V256
+  if (path == Path::v256) return block_scores<V256, Fmt>(qf, kb, row, n, G, D, bs, s);
+#endif
+  (void)path;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) s[g * bs + t] = dot<Fmt>(&qf[g * D], kb + t * row, D);
+}
+
+template <typename Fmt>
+inline void pv(Path path, const float* p, const typename Fmt::T* vb, int64_t row, int64_t n,
+               int64_t G, int64_t D, int64_t bs, float* acc) {
+#ifdef TRIPTYCH_V512
+  if (path == Path::v512) return block_pv<V512, Fmt>(p, vb, row, n, G, D, bs, acc);
+#endif
+#ifdef TRIPTYCH_V256
+  if (path == Path::v256) return block_pv<V256, Fmt>(p, vb, row, n, G, D, bs, acc);
+#endif
+  (void)path;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) axpy<Fmt>(&acc[g * D], p[g * bs + t], vb + t * row, D);
+}
 
 template <typename Fmt>
 void decode(const typename Fmt::T* q, const typename Fmt::T* kc, const typename Fmt::T* vc,
@@ -197,7 +252,7 @@ void decode(const typename Fmt::T* q, const typename Fmt::T* kc, const typename 
   using T = typename Fmt::T;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements between consecutive tokens of one block
-  const bool vec_path = LANES > 0 && D % (LANES > 0 ? LANES : 1) == 0;
+  const Path path = path_for(D);
   float* qf = scratch;  // scaled queries, accumulators, running max / sum, block scores
   float* acc = qf + G * D;
   float* m = acc + G * D;
@@ -219,11 +274,7 @@ void decode(const typename Fmt::T* q, const typename Fmt::T* kc, const typename 
       const int64_t base = (static_cast<int64_t>(table[j]) * bs * Hkv + h) * D;
       const T* kb = kc + base;
       const T* vb = vc + base;
-      if (vec_path)
-        block_scores<Fmt>(qf, kb, row, n, G, D, bs, s);
-      else
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < G; ++g) s[g * bs + t] = dot<Fmt>(&qf[g * D], kb + t * row, D);
+      scores<Fmt>(path, qf, kb, row, n, G, D, bs, s);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = &s[g * bs];
         float mx = m[g];
@@ -241,11 +292,7 @@ void decode(const typename Fmt::T* q, const typename Fmt::T* kc, const typename 
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
       }
-      if (vec_path)
-        block_pv<Fmt>(s, vb, row, n, G, D, bs, acc);
-      else
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < G; ++g) axpy<Fmt>(&acc[g * D], s[g * bs + t], vb + t * row, D);
+      pv<Fmt>(path, s, vb, row, n, G, D, bs, acc);
     }
     T* ob = out + (b * H + h * G) * D;
     for (int64_t g = 0; g < G; ++g) {
