@@ -16,21 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from triptych.router.router import EngineDeadError
 from triptych.api.admission import Slots
 from triptych.api.errors import APIError
 from triptych.api.metrics import Metrics, RequestTimes
 from triptych.api.openai_format import Choice, Formatter, PromptInfo
-from triptych.router.prompt import ProcessedPrompt
-from triptych.worker import wire
 from triptych.engine.sample.sampling_params import SamplingParams
+from triptych.router.prompt import ProcessedPrompt
+from triptych.router.router import EngineDeadError
+from triptych.router.turns import Turns
+from triptych.worker import wire
 
 logger = logging.getLogger("triptych.api")
 
@@ -168,7 +169,7 @@ class Responder:
                       ) -> AsyncIterator[Any]:
         """Deltas in arrival order (each passed to on_delta), until all jobs finished;
         ``ClientGone`` when the watch saw the connection close."""
-        done = 0
+        done, turns = 0, Turns()
         while done < len(self.gen.jobs):
             i, d = await self.gen.next()
             if isinstance(d, Exception):
@@ -176,6 +177,7 @@ class Responder:
             self._account(i, d)
             yield on_delta(i, d)
             done += d.finished
+            await turns.take()  # (a backlog of deltas in turns with other requests)
 
     async def _whole(self, watch: asyncio.Future) -> Response:
         choices = [Choice() for _ in range(len(self.gen.jobs) * self.n)]
@@ -199,7 +201,12 @@ class Responder:
         finally:
             watch.cancel()
             await self.gen.aclose()
-        return Response(self.fmt.whole(self.infos, choices), media_type="application/json")
+        if self.fmt.s.logprobs is None:
+            return Response(self.fmt.whole(self.infos, choices), media_type="application/json")
+        # NOTE: logprobs can make a whole answer tens of MB: it goes out piece by piece, the
+        # event loop free between pieces, never joined into one string (api/openai_format.py)
+        return StreamingResponse(_pieces(self.fmt.whole_pieces(self.infos, choices)),
+                                 media_type="application/json")
 
     async def _sse(self, include_usage: bool, continuous: bool, watch: asyncio.Future
                    ) -> AsyncIterator[str]:
@@ -270,6 +277,22 @@ async def _watch(raw: Request, gen: Generation) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
     await gen.client_gone()
+
+
+async def _pieces(pieces: Iterator[str], size: int = 1 << 18) -> AsyncIterator[bytes]:
+    """``pieces`` as UTF-8 chunks of about ``size`` bytes, yielding the event loop between
+    chunks (each is awaited out to the socket by the response)."""
+    buf: list[str] = []
+    n = 0
+    for p in pieces:
+        buf.append(p)
+        n += len(p)
+        if n >= size:
+            yield "".join(buf).encode()
+            buf, n = [], 0
+            await asyncio.sleep(0)
+    if buf:
+        yield "".join(buf).encode()
 
 
 def _refusal(e: Exception) -> APIError:

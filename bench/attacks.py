@@ -12,6 +12,7 @@ worst latency under attack against his latency on the idle server, and what the 
     whitelist  vllm_xargs.whitelist_token_ids with 3 M entries
     jpegs      40 progressive JPEGs whose decoding runs for seconds
     answer     n=16, max_tokens=1500, logprobs with top_logprobs=20, not streamed
+    answer-plain  the same without logprobs: what the 16 sequences cost by themselves
     messages   250,000 empty user messages
     queue      alice's requests fill --max-pending-requests
 
@@ -63,7 +64,8 @@ def add_parser(sub: Any) -> None:
                                        "tenant", description=__doc__.splitlines()[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (unset: the demo model)")
-    p.add_argument("--attacks", default="sockets,grammar,whitelist,jpegs,answer,messages,queue",
+    p.add_argument("--attacks",
+                   default="sockets,grammar,whitelist,jpegs,answer,answer-plain,messages,queue",
                    help="which, comma-separated")
     p.add_argument("--victims", type=int, default=8, help="bob's requests per measurement")
     p.add_argument("--json-out", default=None, help="also write the figures here")
@@ -179,10 +181,11 @@ def attack_jpegs(base: str, victims: int) -> tuple[list[float], str]:
     return lat, f"attacker: {sorted({r.status_code for r in rs})}"
 
 
-def attack_answer(base: str, victims: int) -> tuple[list[float], str]:
-    body = {"messages": [{"role": "user", "content": "story"}], "n": 16,
-            "max_tokens": 1500, "min_tokens": 1500, "temperature": 1.0, "logprobs": True,
-            "top_logprobs": 20}
+def attack_answer(base: str, victims: int, logprobs: bool = True) -> tuple[list[float], str]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "story"}], "n": 16,
+                            "max_tokens": 1500, "min_tokens": 1500, "temperature": 1.0}
+    if logprobs:
+        body |= {"logprobs": True, "top_logprobs": 20}
     lat, (r,) = _during([lambda: _post(base, ALICE, body, timeout=1800)], base, victims)
     return lat, f"attacker: {r.status_code}, {len(r.content) / 1e6:.1f} MB body"
 
@@ -244,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
                           "whitelist": lambda: attack_whitelist(base, args.victims),
                           "jpegs": lambda: attack_jpegs(base, args.victims),
                           "answer": lambda: attack_answer(base, args.victims),
+                          "answer-plain": lambda: attack_answer(base, args.victims, False),
                           "messages": lambda: attack_messages(base, args.victims),
                           "queue": lambda: attack_queue(base, args.victims, 256)}[name]
                     loaded, what = fn()
@@ -252,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
                            "attacked_max_s": max(loaded), "attack": what}
                     row["ratio"] = row["attacked_s"] / row["idle_s"]
                     report["attacks"][name] = row
-                    print(f"{name:10} bob {row['idle_s'] * 1000:6.0f} ms idle, "
+                    print(f"{name:12} bob {row['idle_s'] * 1000:6.0f} ms idle, "
                           f"{row['attacked_s'] * 1000:6.0f} ms under attack (x{row['ratio']:.2f}"
                           f", worst {row['attacked_max_s'] * 1000:.0f} ms); {what}", flush=True)
             finally:

@@ -24,6 +24,7 @@ from triptych.router.pixel_planner import PixelPlanner
 from triptych.router.registry import WorkerRegistry
 from triptych.router.requests import Attempt, RequestTable
 from triptych.router.sockets import RouterSockets
+from triptych.router.turns import Turns
 from triptych.worker import wire
 
 logger = logging.getLogger("triptych.router")
@@ -40,13 +41,16 @@ class Intake:
         self.pixels = pixels
 
     async def read_loop(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
-        """Read ``sock`` until cancelled."""
+        """Read ``sock`` until cancelled (a backlog in turns with everything else on the
+        event loop, router/turns.py)."""
+        turns = Turns()
         while True:
             frames = await sock.recv_multipart(copy=False)
             try:
                 self.on_message(frames, remote)
             except Exception:  # a bug here must not stop every request: log, keep reading
                 logger.exception("handling a worker message failed")
+            await turns.take()
 
     def on_message(self, frames: list[zmq.Frame], remote: bool) -> None:
         ident = frames[0].bytes.decode("utf-8", "replace")

@@ -22,7 +22,7 @@ from triptych.engine.outputs import (
     RequestOutput,
 )
 from triptych.engine.sample.sampling_params import SamplingParams
-from triptych.router.detokenizer import IncrementalDetokenizer
+from triptych.router.detokenizer import IncrementalDetokenizer, token_text
 
 
 def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -182,7 +182,8 @@ class OutputProcessor:
 
     def _ranked(self, lp: dict[int, float]) -> dict[int, Logprob]:
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-        return {t: Logprob(v, r + 1, self.tokenizer.decode([t])) for r, (t, v) in enumerate(ranked)}
+        return {t: Logprob(v, r + 1, token_text(self.tokenizer, t))
+                for r, (t, v) in enumerate(ranked)}
 
     def _output(self, p: _Parent) -> RequestOutput:
         comps = []

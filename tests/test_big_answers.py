@@ -72,3 +72,25 @@ def test_a_choice_whose_text_holds_the_splice_mark_is_left_alone(tok):
     body = json.loads(fmt.whole([PromptInfo([1])], [c]))
     assert body["choices"][0]["message"]["content"] == "\u0000x:0\u0000"
     assert body["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.1
+
+
+def test_a_big_answer_is_served_in_pieces_never_joined(tok):
+    """n=4 x 1,500 tokens x 20 alternatives (~8 MB of JSON): the response comes as pieces
+    none of which holds more than a few hundred tokens' logprobs; together they are the
+    very JSON of ``whole``."""
+    rng, n, k = random.Random(1), 4, 20
+    fmt = Formatter(tok, Shape(True, "tiny", n=n, logprobs=k), "id", 0)
+    prompt = PromptInfo([1, 2, 3])
+    choices = [Choice() for _ in range(n)]
+    for i in range(n):
+        for d in deltas(rng, 1500, k):
+            fmt.add(choices[i], wire.CompletionDelta(i, d.text, d.token_ids, d.finish_reason,
+                                                     logprobs=d.logprobs), prompt)
+    pieces = list(fmt.whole_pieces([prompt], choices))
+    total = sum(map(len, pieces))
+    assert total > 5_000_000 and max(map(len, pieces)) < total // 20
+    body = json.loads("".join(pieces))
+    assert "".join(pieces) == fmt.whole([prompt], choices)
+    assert [len(c["logprobs"]["content"]) for c in body["choices"]] == [1500] * n
+    assert all(1 <= len(t["top_logprobs"]) <= k for c in body["choices"]
+               for t in c["logprobs"]["content"])  # (k drawn alternatives may repeat)
