@@ -67,6 +67,9 @@ def add_parser(sub: Any) -> None:
                         "'filed'), e.g. `git worktree add DIR <commit>` of the commit an issue "
                         "was filed at: the path as it was, side by side in the same run")
     p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw them: chats/s, CPU per image by process, text latency "
+                        "under the images (bench/prep_plot.py)")
 
 
 def configs(workers: list[int]) -> dict[str, list[str]]:
@@ -278,6 +281,10 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json_out}")
+    if args.plot:
+        from triptych.bench.prep_plot import plot
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
