@@ -98,7 +98,9 @@ def test_tenants_take_turns(tiny_qwen2_vl):
         busy = threading.Thread(target=one, args=("carol", 0, slow_jpeg(400)))
         busy.start()
         wait_for(lambda: fair.num_running == 1, "carol's job to run")
-        threads = [threading.Thread(target=one, args=("alice", i, jpeg(10 + i)))
+        # alice's jobs take ~0.1 s each, so the order the threads record (each after its
+        # job returns) is the order the process served them, whatever the wake-ups' delay
+        threads = [threading.Thread(target=one, args=("alice", i, slow_jpeg(15)))
                    for i in range(6)]
         for t in threads:
             t.start()
