@@ -18,7 +18,8 @@ def add_parser(subparsers: Any) -> None:
         "chat", help="interactive multi-turn chat in the terminal",
         description="Interactive chat with a checkpoint. " + _COMMANDS + " Without --model "
                     "it falls back to the built-in demo checkpoint (a tiny model trained to "
-                    "transcribe printed text: docs/demo-model.md).")
+                    "transcribe printed lines; it reads pages through `triptych ocr`, not "
+                    "yet an image attached here: docs/demo-model.md).")
     add_engine_args(p, model_required=False, model_help=(
         "checkpoint directory or Hugging Face hub id (if unset: the built-in demo "
         "checkpoint, a tiny model that transcribes printed lines)"))
@@ -46,8 +47,10 @@ def _run(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model) if args.model else None
     if model is None:
-        print("no --model given: using the built-in demo checkpoint (it only transcribes "
-              "printed text: attach an image with /image)")
+        print("no --model given: using the built-in demo checkpoint, a tiny model that "
+              "transcribes printed lines. It reads pages through `triptych ocr PAGE`, which "
+              "cuts them into the line strips it was trained on; an image attached here with "
+              "/image reaches it whole, and it cannot read that yet (docs/demo-model.md).")
         model = demo_checkpoint()
     cfg = engine_config_from_args(args, model=model,
                                   allowed_local_media_path=args.allowed_local_media_path or os.getcwd())
