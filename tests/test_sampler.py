@@ -64,3 +64,22 @@ def test_temperature_spreads_draws():
 def test_bad_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_draws_follow_the_distribution():
+    """2,000 rows of one distribution in one call (the inverse-CDF draw, one uniform a
+    row): the counts fit the probabilities (chi-square, 3 degrees of freedom, p = 0.001
+    bound), and a token of probability ~1e-12 next to big ones is not lost or favoured."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(p).repeat(2000, 1)
+    sps = [SamplingParams(temperature=1.0)] * 2000
+    ids = Sampler(seed=3)(logits, [f"r{i}" for i in range(2000)], sps).token_ids
+    counts = torch.bincount(torch.tensor(ids), minlength=4).double()
+    expected = 2000 * p.double()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts.tolist(), chi2)
+    tiny = torch.tensor([[0.0, -27.6, 0.0]])  # e^-27.6 ~ 1e-12 of the mass
+    s = Sampler(seed=0)
+    draws = [s(tiny, ["t"], [SamplingParams(temperature=1.0)]).token_ids[0]
+             for _ in range(400)]
+    assert set(draws) == {0, 2} and 150 < draws.count(0) < 250

@@ -132,10 +132,19 @@ class Sampler:
         if st.top_p is not None:
             x = top_p_filter(x, st.top_p)
         probs = torch.softmax(x, dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self._default(x.device))
+        # NOTE: by the inverse CDF, one uniform a row: the exponential race (probs / q,
+        # q ~ Exp(1) per vocab entry) drew a random number per entry, 34.5 ms a step for
+        # 16 rows of a 152k vocabulary on the CPU (torch's exponential_), against ~2 ms for
+        # this. The cumulative sum is float64, so tokens far below fp32's resolution near 1
+        # keep their share; a zero-probability token (filtered) is never drawn: searchsorted
+        # lands past flat runs.
+        u = torch.rand(probs.shape[0], 1, generator=self._default(x.device), device=x.device,
+                       dtype=torch.float64)
         for i, gen in st.seeded or ():
-            q[i].exponential_(generator=gen)
-        return (probs / q).argmax(dim=-1)
+            u[i] = torch.rand(1, generator=gen, device=x.device, dtype=torch.float64)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+        return ids.clamp_(max=probs.shape[-1] - 1)
 
     # -- the host convenience (tests, and callers outside the runner) --------------------
     def __call__(self, logits: torch.Tensor, request_ids: list[str],
