@@ -78,30 +78,17 @@ def _post(base: str, key: str, body: dict, timeout: float = 300) -> Any:
                       headers={"Authorization": f"Bearer {key}"})
 
 
-# Bob is another client: his own process, so that his latencies never include the
-# attacker's client work (encoding 26 MB of JSON, reading a 31 MB answer) under one GIL.
-BOB_SCRIPT = """
-import json, sys, time
-import httpx
-base, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
-        "min_tokens": 16, "temperature": 0}
-out = []
-with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {key}"}) as c:
-    for _ in range(n):
-        t0 = time.perf_counter()
-        r = c.post(base + "/v1/chat/completions", json=body)
-        out.append(time.perf_counter() - t0 if r.status_code == 200 else None)
-print(json.dumps(out))
-"""
+BOB_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+            "min_tokens": 16, "temperature": 0}
 
 
 def _bob(base: str, n: int) -> list[float]:
-    """Bob's ``n`` 16-token chats one after another, from his own process: each one's
-    seconds (inf for a refusal)."""
-    r = subprocess.run([sys.executable, "-c", BOB_SCRIPT, base, BOB, str(n)],
-                       capture_output=True, text=True, timeout=1800, check=True)
-    return [float("inf") if x is None else x for x in json.loads(r.stdout)]
+    """Bob's ``n`` 16-token chats one after another, from his own process
+    (bench/chat_probe.py): each one's seconds (inf for a refusal)."""
+    from triptych.bench import chat_probe
+
+    lat = chat_probe.result(chat_probe.start(base, BOB_CHAT, n, BOB))
+    return [float("inf") if x is None else x for x in lat]
 
 
 def _during(attackers: list[Callable[[], Any]], base: str, victims: int,

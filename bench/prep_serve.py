@@ -153,45 +153,12 @@ def _chat(content: Any) -> dict:
             "max_tokens": 1, "temperature": 0}
 
 
-# The text chats come from their own client process: another user, whose latencies never
-# include this process's work of sending 16 image chats at once (one event loop, one GIL).
-TEXT_PROBE = """
-import json, select, sys, time
-import httpx
-base, count = sys.argv[1], int(sys.argv[2])
-body = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1,
-        "temperature": 0}
-out = []
-with httpx.Client(timeout=600) as c:
-    while count and len(out) < count or not count and not select.select([sys.stdin], [], [], 0)[0]:
-        t0 = time.perf_counter()
-        c.post(base + "/v1/chat/completions", json=body).raise_for_status()
-        out.append(time.perf_counter() - t0)
-print(json.dumps(out))
-"""
-
-
-def _text_probe(base: str, count: int = 0) -> subprocess.Popen:
-    """A client process sending the text chat one after another: ``count`` of them, or
-    (0) until its stdin is closed; its latencies come on its stdout."""
-    return subprocess.Popen([sys.executable, "-c", TEXT_PROBE, base, str(count)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _probe_result(proc: subprocess.Popen) -> list[float]:
-    assert proc.stdin is not None and proc.stdout is not None
-    if not proc.stdin.closed:
-        proc.stdin.close()
-    out = proc.stdout.read()  # the probe ends by itself (a count, or stdin closed)
-    if proc.wait(600):
-        raise RuntimeError("the text probe failed")
-    return json.loads(out)
-
-
 async def _round(server: Server, url: str, images: int, concurrency: int) -> dict[str, Any]:
     import httpx
+    from triptych.bench import chat_probe
 
-    idle = _probe_result(_text_probe(server.base, 8))  # the text chat on the idle server
+    text = _chat("Say one word.")  # from a client process of its own (bench/chat_probe.py)
+    idle = chat_probe.result(chat_probe.start(server.base, text, 8))  # on the idle server
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         body = _chat([{"type": "image_url", "image_url": {"url": url}},
@@ -208,9 +175,9 @@ async def _round(server: Server, url: str, images: int, concurrency: int) -> dic
         await asyncio.gather(*(one() for _ in range(images)))
         wall, cpu1 = time.perf_counter() - t0, server.cpu()
         # phase 2, the same images with a text chat sent one after another beside them
-        probe = _text_probe(server.base)
+        probe = chat_probe.start(server.base, text)
         await asyncio.gather(*(one() for _ in range(images)))
-        loaded = _probe_result(probe)  # (closing its stdin stops it)
+        loaded = chat_probe.result(probe)  # (closing its stdin stops it)
     ms = {k: 1000 * (cpu1[k] - cpu0[k]) / images for k in cpu0}
     return {"chats_per_s": images / wall, "p0_ms": ms["p0"], "prep_ms": ms["prep"],
             "worker_ms": ms["worker"], "text_idle_s": statistics.median(idle),
