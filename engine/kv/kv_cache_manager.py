@@ -16,6 +16,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_published: dict[str, int] = {}  # request id -> its leading blocks already
+        # offered to the prefix cache (each step offers only the blocks filled since)
         # Blocks of requests that left after prefill, held until their transfer completes.
         self.handed_off: dict[str, list[KVBlock]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -78,18 +80,23 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         extend_block_hashes(request, self.block_size)
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
         n = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        for i in range(n):
+        for i in range(self.num_published.get(rid, 0), n):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
+        if n:
+            self.num_published[rid] = max(n, self.num_published.get(rid, 0))
 
     def free(self, request: Request) -> None:
+        self.num_published.pop(request.request_id, None)
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(list(reversed(blocks)))
 
     def take_blocks(self, request: Request) -> list[int]:
         """Hand a request's blocks over (disaggregation): the caller frees them later with
         ``release_blocks`` once the transfer is done."""
+        self.num_published.pop(request.request_id, None)
         blocks = self.req_blocks.pop(request.request_id, [])
         self.handed_off[request.request_id] = blocks
         return [b.block_id for b in blocks]
