@@ -93,6 +93,9 @@ class InputBatch:
         self._holes: list[int] = []
         self.penalties = PenaltyState()  # token counts of requests with penalties
         self.grammars = GrammarState()  # matchers of structured-output requests
+        # running requests that sit a step out (tenant shares, the token budget): their row
+        # is freed, their matcher and penalty counts kept, so rejoining replays nothing
+        self.resting: dict[str, tuple[Request, int]] = {}  # id -> (request, its ids known)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -106,8 +109,14 @@ class InputBatch:
         ``num_computed``: its tokens with KV before this step (default: the request's
         count; the scheduler counts a scheduled step's tokens as computed already)."""
         assert req.request_id not in self.index, f"{req.request_id} is already in the batch"
-        # A fresh matcher with the output so far replayed (first: it may refuse the request)
-        self.grammars.add(req)
+        rested = self.resting.pop(req.request_id, None)
+        if rested is not None and not (rested[0] is req and rested[1] == req.num_tokens):
+            self.penalties.remove(req.request_id)  # (its tokens changed meanwhile: rebuilt)
+            self.grammars.remove(req.request_id)
+            rested = None
+        if rested is None:
+            # A fresh matcher with the output so far replayed (first: it may refuse it)
+            self.grammars.add(req)
         if self._holes:
             row = min(self._holes)
             self._holes.remove(row)
@@ -131,15 +140,37 @@ class InputBatch:
         self.index[req.request_id] = row
         self.set_blocks(row, block_ids)
         # (Re)joining rebuilds the penalty state from the request's own tokens: preemption,
-        # KV import and migration all come through here.
-        self.penalties.add(req.request_id, req.sampling_params, req.prompt_token_ids,
-                           req.output_token_ids)
+        # KV import and migration all come through here (a rested request keeps its own).
+        if rested is None:
+            self.penalties.add(req.request_id, req.sampling_params, req.prompt_token_ids,
+                               req.output_token_ids)
         return row
+
+    def rest(self, request_id: str) -> None:
+        """Free a running request's row for a step or more, keeping its matcher and
+        penalty counts (``add`` takes them back while its tokens are the ones it left with)."""
+        row = self.index.pop(request_id)
+        req = self.reqs[row]
+        self.resting[request_id] = (req, int(self.num_tokens[row]))
+        self.reqs[row] = None
+        self._holes.append(row)
+
+    def rested_token(self, req: Request, token_id: int) -> None:
+        """A token of a step it ran before resting (async scheduling) arrived."""
+        rested = self.resting.get(req.request_id)
+        if rested is None or rested[0] is not req:
+            return
+        self.resting[req.request_id] = (req, rested[1] + 1)
+        self.penalties.append(req.request_id, token_id)
+        self.grammars.accept(req.request_id, token_id)
 
     def remove(self, request_id: str) -> int | None:
         """Free a request's row (finished, aborted, preempted or not scheduled)."""
         row = self.index.pop(request_id, None)
         if row is None:
+            if self.resting.pop(request_id, None) is not None:
+                self.penalties.remove(request_id)
+                self.grammars.remove(request_id)
             return None
         self.penalties.remove(request_id)
         self.grammars.remove(request_id)

@@ -39,7 +39,7 @@ from triptych.engine.device.cuda_graphs import CudaGraphRunner
 from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
 from triptych.engine.device.platform import sampler_argmax
 from triptych.engine.encoder.encoder_runner import EncoderRunner
-from triptych.engine.request import MMItem
+from triptych.engine.request import MMItem, RequestStatus
 from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
                                                      forward_context)
 from triptych.engine.runner.input_batch import InputBatch, StepInputs
@@ -121,7 +121,13 @@ class ModelRunner:
         batch = self.batch
         scheduled = {r.request_id for r, _ in out.scheduled}
         for rid in [rid for rid in batch.index if rid not in scheduled]:
-            batch.remove(rid)  # finished, aborted, preempted, or not scheduled this step
+            if batch.reqs[batch.index[rid]].status == RequestStatus.RUNNING:
+                batch.rest(rid)  # not its turn this step: it keeps its matcher and counts
+            else:
+                batch.remove(rid)  # finished, aborted or preempted
+        for rid, (req, _) in list(batch.resting.items()):
+            if req.status != RequestStatus.RUNNING and rid not in scheduled:
+                batch.remove(rid)
         for req, n in out.scheduled:
             rid = req.request_id
             row = batch.index.get(rid)
@@ -353,6 +359,8 @@ class ModelRunner:
             row = batch.index.get(req.request_id)
             if row is not None and batch.reqs[row] is req:  # (it may have left meanwhile)
                 batch.append_token(row, tok)
+            elif row is None:
+                batch.rested_token(req, tok)  # (sitting this step out)
         rids = list(f.index)
         return StepOutput(dict(zip(rids, res.token_ids)), dict(zip(rids, res.logprobs)),
                           f.dead)
