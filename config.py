@@ -120,6 +120,7 @@ class EngineConfig:
     encoder_cache_size: int | str = "256MiB"  # bytes of vision embeddings kept for reuse, e.g. '512MiB' (0 disables; repeated images skip the tower)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})  # items per prompt
     allowed_local_media_path: str | None = None  # local image/video paths are allowed only under this directory
+    tenant_step_share: float = 0.5  # on a server with API keys, when several tenants' requests have work, the busiest tenant (most tokens and context asked) is held to a cap so that steps with it take at most (1 + this) x the steps without it, measured (one step in 8 runs without it); past the cap its sequences take turns and its prompt chunks are cut. No tenant is held below what the busiest other tenant asks, and a tenant alone keeps the whole step. 0: off (first come, first served, as vLLM)
     max_grammar_step_ms: float = 0.0  # a structured-output request whose grammar work (its mask and matcher update) costs more than this in 3 steps running is ended with an error naming this flag; 0: auto, the step's own time without grammar work (at least 1 ms), so one request's grammar can at most double its batch-mates' step
     attention_backend: str | None = None  # torch | cpu | triton; unset: triton on CUDA, cpu on a CPU (torch with the decode attention fused in C++, compiled by g++ on first use and cached in $TORCH_EXTENSIONS_DIR/triptych, else ~/.cache/torch_extensions/triptych), torch when no compiler is found
     disable_log_stats: bool = False  # no periodic throughput / cache log lines
@@ -143,6 +144,8 @@ class EngineConfig:
         self.compilation_dict()  # (refuses unknown keys and bad values here, once)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if not self.tenant_step_share >= 0:
+            raise ValueError("tenant_step_share must be >= 0 (0: off)")
         if not self.max_grammar_step_ms >= 0:
             raise ValueError("max_grammar_step_ms must be >= 0 (0: auto)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

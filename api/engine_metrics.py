@@ -60,6 +60,9 @@ OPTIONAL_COUNTERS = {  # exported once reported (the disaggregated pools)
     "embedding_transfer_bytes": ("embedding_transfer_bytes",
                                  "Vision embedding bytes sent by encode workers"),
     "worker_restarts_by_pool": ("worker_restarts", "Worker restarts, per pool"),
+    "tenant_share_deferrals": ("tenant_share_deferrals",
+                               "Sequences a step held back or cut to keep a tenant to its "
+                               "share (--tenant-step-share)"),
 }
 ROUTER_COUNTERS = {  # flat keys of the router itself
     "worker_restarts": ("worker_restarts", "Worker processes restarted by the supervisor"),

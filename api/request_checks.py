@@ -360,7 +360,8 @@ def sampling_params(checked: CheckedRequest, prompt_len: int, limits: ServerLimi
             repetition_penalty=1.0 if body.repetition_penalty is None
             else body.repetition_penalty,
             min_p=body.min_p or 0.0, **checked.ngram,
-            structured_outputs=checked.structured, cache_salt=checked.scope or None)
+            structured_outputs=checked.structured, cache_salt=checked.scope or None,
+            tenant=checked.tenant)
     except ValueError as e:  # SamplingParams.verify: the same ranges, checked again
         raise APIError(400, str(e)) from None
 

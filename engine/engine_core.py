@@ -87,7 +87,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            tenant_step_share=config.tenant_step_share)
         self.hidden_size = self.shape.hidden_size
         self.payload_width = self.shape.payload_width  # an encoder payload's columns
         self.prompt_tokens_total = 0
@@ -353,6 +354,7 @@ class EngineCore:
             "prefix_cache_capacity_bytes": self.num_blocks * self.block_bytes,
             "num_gpu_blocks": self.num_blocks,
             "failed_steps_total": self.num_failed_steps,
+            "tenant_share_deferrals_total": self.scheduler.shares.deferrals_total,
             **self.timings.stats(),
         }
 

@@ -79,6 +79,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
+    last_scheduled_step: int = 0  # the scheduler's step that last ran it (tenant shares:
+    # a tenant's sequences take turns, the least recently served first)
 
     def __post_init__(self) -> None:
         if isinstance(self.mrope_positions, torch.Tensor):

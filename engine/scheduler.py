@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
+from triptych.engine.tenant_share import StepShares, TenantShares, tenant_of
 
 logger = logging.getLogger("triptych.scheduler")
 
@@ -66,7 +67,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 tenant_step_share: float = 0.0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,6 +79,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._warned_preemption = False
+        self.shares = TenantShares(tenant_step_share)  # engine/tenant_share.py
+        self.num_steps = 0
 
     # -- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,16 +123,23 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        # Decodes first, then running prefill chunks, each in admission order.
+        shares = self.shares.plan(self._demands())  # None: nobody is crowded out
+        # Decodes first, then running prefill chunks, each in admission order (with tenant
+        # shares: the least recently served first, so a tenant's sequences take turns).
         order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
+        if shares is not None:
+            order.sort(key=lambda r: r.last_scheduled_step)
+            order.sort(key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(self._tokens_to_compute(req), budget)
+            if n > 0 and shares is not None:
+                n = shares.take(req, n, req.num_computed_tokens, self.enable_chunked_prefill)
             if n <= 0:
-                continue  # all it may produce is on the device already
+                continue  # all it may produce is on the device already (or not its turn)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -145,10 +156,15 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         if not preempted:
-            self._admit_waiting(scheduled, budget)
+            self._admit_waiting(scheduled, budget, shares)
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
         out = SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
+        self.num_steps += 1
+        if shares is not None:
+            self.shares.deferrals_total += shares.deferred
+        self.shares.scheduled()
         for req, n in scheduled:  # (vLLM's _update_after_schedule)
+            req.last_scheduled_step = self.num_steps
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # this step samples its next token
@@ -178,7 +194,23 @@ class Scheduler:
             return min(n, PROMPT_LOGPROBS_CHUNK)
         return n
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+    def _demands(self) -> dict[str, list[tuple[int, int]]]:
+        """Tenant -> (context, tokens) of each sequence that would run now (shares)."""
+        if self.shares.share <= 0:
+            return {}
+        out: dict[str, list[tuple[int, int]]] = {}
+        cap = self.max_num_batched_tokens
+        for req in self.running:
+            n = self._tokens_to_compute(req)
+            if n > 0:
+                out.setdefault(tenant_of(req), []).append((req.num_computed_tokens, min(n, cap)))
+        for req in self.waiting:
+            out.setdefault(tenant_of(req), []).append((0, min(req.num_tokens, cap)))
+        return out
+
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int,
+                       shares: StepShares | None) -> None:
+        passed: list[Request] = []  # over their tenant's share: others behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -189,6 +221,11 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
+            if shares is not None:
+                n = shares.take(req, n, num_hit_tokens, self.enable_chunked_prefill)
+                if n == 0:
+                    passed.append(self.waiting.popleft())
+                    continue
             if self.kv.allocate_slots(req, n, hits) is None:
                 break  # wait for running requests to free blocks
             self.waiting.popleft()
@@ -200,6 +237,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -8,6 +8,7 @@ swapped PDF in test_ocr_inputs.py.)"""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import socket
 import sys
@@ -208,6 +209,33 @@ def test_one_tenant_holds_at_most_its_share_of_the_queue(server):
     assert got["held"].status_code == 200, got["held"].text
     assert len(got["held"].json()["choices"]) == 4
     assert chat(server, "alice", hi()).status_code == 200  # her slots are back
+
+
+# -- row 5, the batch: a tenant with many long sequences takes turns ----------------------------
+def deferrals(server) -> float:
+    r = httpx.get(server.base + "/metrics", headers=headers("operator"), timeout=30)
+    return sum(s.value for f in text_string_to_metric_families(r.text)
+               if f.name == "triptych:tenant_share_deferrals" for s in f.samples)
+
+
+def test_a_tenant_with_many_long_sequences_is_held_to_its_share_of_a_step(server):
+    """alice streams n=4 x 400 tokens; bob's short chats run beside them. While bob has
+    work the steps hold alice to her share (--tenant-step-share: her sequences take turns,
+    counted in the operator's /metrics); both get whole answers."""
+    before = deferrals(server)
+    body = {"model": "tiny", "messages": hi(), "n": 4, "max_tokens": 400, "min_tokens": 400,
+            "temperature": 1.0, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body,
+                      headers=headers("alice"), timeout=300) as r:
+        lines = r.iter_lines()
+        assert r.status_code == 200 and next(lines)  # her sequences are running
+        bobs = [chat(server, "bob", hi(), max_tokens=8, min_tokens=8) for _ in range(3)]
+        finished = [c["finish_reason"] for line in lines if line.startswith("data: {")
+                    for c in json.loads(line[6:])["choices"] if c.get("finish_reason")]
+    assert [b.status_code for b in bobs] == [200] * 3
+    assert all(b.json()["usage"]["completion_tokens"] == 8 for b in bobs)
+    assert finished == ["length"] * 4
+    assert deferrals(server) > before
 
 
 # -- row 9: what /metrics and /v1/models tell a tenant -----------------------------------------

@@ -50,6 +50,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # with API keys): salts the first block's hash, so only requests with the same value
     # share cached KV. The server sets it; None = the shared cache.
     cache_salt: str | None = None
+    # Whose share of a step this request runs in (engine/tenant_share.py): the server sets
+    # the API key's tenant; None = the one anonymous tenant (offline, or a server without keys)
+    tenant: str | None = None
     # Structured output (engine/structured/grammar.py): the output must match this schema / regex /
     # choice / grammar; None = unconstrained
     structured_outputs: StructuredOutputsParams | None = None
