@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
-from triptych.engine.tenant_share import StepShares, TenantShares, tenant_of
+from triptych.engine.tenant_share import (Seats, StepShares, TenantShares, demands,
+                                           turn_order)
 
 logger = logging.getLogger("triptych.scheduler")
 
@@ -123,18 +124,25 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        shares = self.shares.plan(self._demands())  # None: nobody is crowded out
+        seats = Seats(self.running, self.waiting, self.max_num_seqs) \
+            if self.shares.share > 0 and self.waiting else None
+        shares = self.shares.plan(self._demands(seats))  # None: nobody is crowded out
+        if shares is not None and seats is not None:
+            for victim in seats.victims(self.running, self.waiting):
+                self._preempt(victim, "its tenant holds more than its part of the seats "
+                                      "(max_num_seqs) while another tenant waits")
+                preempted.append(victim)
         # Decodes first, then running prefill chunks, each in admission order (with tenant
-        # shares: the least recently served first, so a tenant's sequences take turns).
-        order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
-        if shares is not None:
-            order.sort(key=lambda r: r.last_scheduled_step)
-            order.sort(key=lambda r: r.num_computed_tokens < r.num_prompt_tokens)
+        # shares: a tenant's sequences take turns, tenant_share.turn_order).
+        order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens) \
+            if shares is None else sorted(self.running, key=turn_order(self.num_steps))
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if shares is not None and shares.held(req):
+                continue  # its tenant has its share of this step
             n = min(self._tokens_to_compute(req), budget)
             if n > 0 and shares is not None:
                 n = shares.take(req, n, req.num_computed_tokens, self.enable_chunked_prefill)
@@ -156,7 +164,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         if not preempted:
-            self._admit_waiting(scheduled, budget, shares)
+            self._admit_waiting(scheduled, budget, shares, seats)
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
         out = SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
         self.num_steps += 1
@@ -194,25 +202,20 @@ class Scheduler:
             return min(n, PROMPT_LOGPROBS_CHUNK)
         return n
 
-    def _demands(self) -> dict[str, list[tuple[int, int]]]:
-        """Tenant -> (context, tokens) of each sequence that would run now (shares)."""
+    def _demands(self, seats: Seats | None) -> dict[str, float]:
         if self.shares.share <= 0:
             return {}
-        out: dict[str, list[tuple[int, int]]] = {}
-        cap = self.max_num_batched_tokens
-        for req in self.running:
-            n = self._tokens_to_compute(req)
-            if n > 0:
-                out.setdefault(tenant_of(req), []).append((req.num_computed_tokens, min(n, cap)))
-        for req in self.waiting:
-            out.setdefault(tenant_of(req), []).append((0, min(req.num_tokens, cap)))
-        return out
+        return demands(self.running, self.waiting, seats, self._tokens_to_compute,
+                       self.max_num_batched_tokens, self.max_num_seqs)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int,
-                       shares: StepShares | None) -> None:
+                       shares: StepShares | None, seats: Seats | None) -> None:
         passed: list[Request] = []  # over their tenant's share: others behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if shares is not None and seats is not None and seats.lets_others_first(req):
+                passed.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt position must be computed
@@ -237,9 +240,11 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            if seats is not None:
+                seats.admitted(req)
         self.waiting.extendleft(reversed(passed))
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, why: str = "") -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -249,7 +254,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
-        if not self._warned_preemption:
+        if why:  # (tenant seats: not a sign of a small cache)
+            self.shares.seat_preemptions_total += 1
+            logger.info("request %s was preempted: %s (--tenant-step-share)", req.request_id,
+                        why)
+        elif not self._warned_preemption:
             self._warned_preemption = True
             logger.warning(
                 "Request %s was preempted (KV cache full; it will be recomputed). This costs "

@@ -13,18 +13,27 @@ plus the context they attend) is held to a cap:
 measured, not modelled: one step in EXPLORE_EVERY runs without the busiest tenant (the
 others' step alone), the rest with it under the cap; the cap shrinks while the steps
 with it run over the bound and grows back while they run under it. A tenant held to
-its cap has its sequences take turns (least recently served first) and its prompt
+its cap has its sequences take turns (a few steps each, ``turn_order``) and its prompt
 chunks cut to fit; it runs at least one sequence a step but in those it sits out, so
 nobody stalls. No tenant is held below what the busiest other tenant asks, so tenants
 that ask alike share steps as before; a tenant alone keeps the whole step. The busiest
 pays: while contended it runs at most its share and sits out one step in EXPLORE_EVERY.
 ``--tenant-step-share`` sets ``share`` (0: off, first come first served as vLLM's
 scheduler).
+
+Seats (``max_num_seqs``) are shared the same way: while every seat is taken and a tenant
+holding fewer than its part (``max_num_seqs`` / tenants with work) waits, the tenant
+holding the most gives back its most recently admitted sequence (preempted: recomputed
+later, mostly from the prefix cache), and a waiting request of a tenant that holds its
+part lets the others' go first. Otherwise one tenant's n=16 requests could hold every
+seat for a whole generation while another's one-line chat waits.
 """
 from __future__ import annotations
 
 import random
 import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 
 from triptych.engine.request import Request
 
@@ -33,10 +42,24 @@ EXPLORE_EVERY = 8  # contended steps, on average, between two without the busies
 # (drawn at random: a period could lock onto the requests' own rhythm)
 SHRINK, GROW = 0.8, 1.05  # the cap's steps down (over the bound) and up (under it)
 CTX_PER_TOKEN = 1024  # context tokens attended that weigh as much as one token computed
+TURN_STEPS = 8  # a sequence held back this many steps goes before those that ran
 
 
 def tenant_of(req: Request) -> str:
     return req.sampling_params.tenant or ""
+
+
+def turn_order(step: int) -> Callable[[Request], tuple[bool, bool, bool, int]]:
+    """Sort key of running sequences under shares: decodes before prompt chunks; then
+    those held back TURN_STEPS steps or more (the longest held first), then those that
+    ran the last step, then the rest. Turns change every few steps, not every step: a
+    sequence rejoining the batch rewrites its row (~20 us each on a CPU), so a tenant
+    held to a few of its 127 sequences must not swap them all each step."""
+    def key(req: Request) -> tuple[bool, bool, bool, int]:
+        last = req.last_scheduled_step
+        return (req.num_computed_tokens < len(req.prompt_token_ids),
+                step - last < TURN_STEPS, step - last > 1, last)
+    return key
 
 
 def attended(ctx: int, n: int) -> int:
@@ -55,6 +78,7 @@ class StepShares:
     def __init__(self, caps: dict[str, float]) -> None:
         self.caps = caps  # tenant -> size it may take (< 0: it sits this step out)
         self.used: dict[str, float] = {}  # tenant -> size scheduled this step
+        self.done: set[str] = set()  # tenants that took their share of this step
         self.deferred = 0  # sequences held back or cut this step
 
     def take(self, req: Request, n: int, ctx: int, chunkable: bool) -> int:
@@ -77,8 +101,20 @@ class StepShares:
             n = 0  # its tenant took its share of this step: it takes its turn later
         self.deferred += n < asked
         if n:
-            self.used[tenant] = (used or 0.0) + size(ctx, n)
+            self.used[tenant] = used = (used or 0.0) + size(ctx, n)
+            if used >= cap:
+                self.done.add(tenant)
+        elif cap < 0:
+            self.done.add(tenant)
         return n
+
+    def held(self, req: Request) -> bool:
+        """Whether ``req``'s tenant has taken its share of this step already (its other
+        sequences wait: the scheduler skips them without looking further)."""
+        if (req.sampling_params.tenant or "") in self.done:
+            self.deferred += 1
+            return True
+        return False
 
     @staticmethod
     def _fit(ctx: int, n: int, room: float) -> int:
@@ -105,18 +141,18 @@ class TenantShares:
         self.alone_s: float | None = None  # a step without the busiest tenant (average)
         self.with_s: float | None = None  # a step with it, under its cap (average)
         self.deferrals_total = 0  # sequences held back or cut to keep a tenant to its share
+        self.seat_preemptions_total = 0  # sequences preempted to seat another tenant's
         self.explore_every = EXPLORE_EVERY  # (tests: 0 never, 1 always)
         self._draw = random.Random(0)
         self._kind = ""  # this schedule's: "" (no shares) | "alone" | "with"
         self._last: tuple[float, str] | None = None  # the previous schedule's (time, kind)
 
-    def plan(self, demands: dict[str, list[tuple[int, int]]]) -> StepShares | None:
-        """``demands``: tenant -> (context, tokens) of each sequence it would run now.
-        None when nobody is crowded out (one tenant, or shares off)."""
+    def plan(self, asks: dict[str, float]) -> StepShares | None:
+        """``asks``: tenant -> the size of what it would run now (``demands``). None when
+        nobody is crowded out (one tenant, or shares off)."""
         self._kind = ""
-        if self.share <= 0 or len(demands) < 2:
+        if self.share <= 0 or len(asks) < 2:
             return None
-        asks = {t: sum(size(c, n) for c, n in seqs) for t, seqs in demands.items()}
         busiest = max(asks, key=asks.__getitem__)
         if self.cap is None:
             self.cap = asks[busiest]
@@ -142,3 +178,75 @@ class TenantShares:
                 over = self.with_s > (1 + self.share) * self.alone_s
                 self.cap *= SHRINK if over else GROW
         self._last = (now, self._kind) if self._kind else None
+
+
+def demands(running: list[Request], waiting: deque[Request], seats: Seats | None,
+            tokens_to_compute: Callable[[Request], int], max_tokens: int, max_seqs: int
+            ) -> dict[str, float]:
+    """Tenant -> the size of what it would run now: its running sequences' tokens to
+    compute, its waiting ones that can get a seat."""
+    out: dict[str, float] = {}
+    for req in running:
+        c = req.num_computed_tokens
+        if c < len(req.prompt_token_ids) or req.num_output_placeholders:
+            n = min(tokens_to_compute(req), max_tokens)
+            if n <= 0:
+                continue
+            s = size(c, n)
+        else:  # a decode without a token in flight: one token (inlined: per sequence)
+            s = 1 + (c + 1) / CTX_PER_TOKEN
+        t = req.sampling_params.tenant or ""
+        out[t] = out.get(t, 0.0) + s
+    free = len(running) < max_seqs
+    for req in waiting:
+        t = tenant_of(req)
+        if free or (seats is not None and t in seats.needy):
+            out[t] = out.get(t, 0.0) + size(0, min(req.num_tokens, max_tokens))
+    return out
+
+
+class Seats:
+    """One schedule's view of who holds the seats (``max_num_seqs``) and who waits."""
+
+    def __init__(self, running: list[Request], waiting: list[Request] | deque[Request],
+                 max_seqs: int) -> None:
+        self.held = Counter(tenant_of(r) for r in running)
+        waiting_tenants = {tenant_of(r) for r in waiting}
+        self.fair = max(1, max_seqs // max(1, len(set(self.held) | waiting_tenants)))
+        self.full = len(running) >= max_seqs
+        self.scarce = len(running) + len(waiting) > max_seqs  # not a seat for each
+        self.needy = {t for t in waiting_tenants if self.held[t] < self.fair}
+
+    def victims(self, running: list[Request], waiting: Iterable[Request]) -> list[Request]:
+        """Running sequences to give their seats back now: one for each waiting request
+        of a tenant under its part, taken from the tenant holding the most while it
+        holds more than its part, its most recently admitted first."""
+        if not self.full or not self.needy:
+            return []
+        wanted: Counter[str] = Counter()
+        for r in waiting:
+            t = tenant_of(r)
+            if self.held[t] + wanted[t] < self.fair:
+                wanted[t] += 1
+        out: list[Request] = []
+        held = Counter(self.held)
+        for _ in range(sum(wanted.values())):
+            t = max(held, key=held.__getitem__)
+            if held[t] <= self.fair:
+                break
+            out.append(next(r for r in reversed(running)
+                            if tenant_of(r) == t and r not in out))
+            held[t] -= 1
+        return out
+
+    def lets_others_first(self, req: Request) -> bool:
+        """A waiting request whose tenant holds its part while another tenant under its
+        part waits: it is passed over this step."""
+        t = tenant_of(req)
+        return self.scarce and self.held[t] >= self.fair and bool(self.needy - {t})
+
+    def admitted(self, req: Request) -> None:
+        t = tenant_of(req)
+        self.held[t] += 1
+        if self.held[t] >= self.fair:
+            self.needy.discard(t)
