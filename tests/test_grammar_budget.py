@@ -70,4 +70,6 @@ def test_the_budget_strikes_only_steps_running_over_it():
     assert budget.judge(over) == {"r": 0.02}
     assert "--max-grammar-step-ms 10" in budget.message(0.02)
     auto = GrammarBudget()
-    assert auto.allowance_s == pytest.approx(1e-3)  # the floor, before any step is seen
+    assert auto.allowance_s == pytest.approx(0.25e-3)  # the floor, before any step is seen
+    auto.step_s = 0.010
+    assert auto.allowance_s == pytest.approx(0.005)  # then half the step's own time

@@ -6,15 +6,17 @@ microseconds, then ~300 ms a token by token 170. That work runs inside the batch
 every request in the batch waits for it. Each step, the grammar rows' work (the mask fill,
 and the matcher updates of the tokens they took) is timed against an allowance:
 
-    allowance = --max-grammar-step-ms            when set
-              = max(1 ms, the step's own time)    otherwise (auto)
+    allowance = --max-grammar-step-ms                   when set
+              = max(0.25 ms, half the step's own time)   otherwise (auto)
 
 where the step's own time is a running average of the time between two fills less the
 grammar work in it (the forward, the sampler, the bookkeeping). Only when the whole batch's
 grammar work is over the allowance are the rows timed one by one; a row over it in
 ``STRIKES`` steps running is ended, with an error naming the flag. With the automatic
-allowance no request's grammar can make its batch-mates' step more than about twice as long
-as it would be without it.
+allowance no request's grammar can make its batch-mates' step more than about 1.5x as long
+as it would be without it (the bound tenant shares keep by default, engine/tenant_share.py).
+The floor is for steps of a tiny model: a mask over a 272-token vocabulary takes
+microseconds, one over 152k ~0.5 ms, beside steps of several ms.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import time
 
 STRIKES = 3  # steps running over the allowance before a request is ended (noise: one
 # slow step on a busy host must not end a request)
-FLOOR_S = 1e-3  # the automatic allowance never goes below this
+FLOOR_S = 0.25e-3  # the automatic allowance never goes below this
+AUTO_SHARE = 0.5  # the automatic allowance: this share of the step's own time
 _IDLE_S = 1.0  # a gap this long between two fills is an idle engine, not a step
 
 
@@ -38,7 +41,7 @@ class GrammarBudget:
 
     @property
     def allowance_s(self) -> float:
-        return self.fixed_s or max(FLOOR_S, self.step_s)
+        return self.fixed_s or max(FLOOR_S, AUTO_SHARE * self.step_s)
 
     def start_step(self) -> float:
         """Called at each fill: learn the step's own time from the gap since the last."""
@@ -71,7 +74,7 @@ class GrammarBudget:
 
     def message(self, cost_s: float) -> str:
         flag = f"--max-grammar-step-ms {self.fixed_s * 1000:g}" if self.fixed_s else \
-            "--max-grammar-step-ms: auto, the step's own time"
+            "--max-grammar-step-ms: auto, half the step's own time"
         return (f"the output constraint costs {cost_s * 1000:.1f} ms of grammar work per "
                 f"token, more than its share of a step ({self.allowance_s * 1000:.1f} ms, "
                 f"{flag}) in {STRIKES} steps running: its grammar is too ambiguous to follow "
