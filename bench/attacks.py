@@ -130,7 +130,11 @@ def attack_grammar(base: str, victims: int, a_id: int) -> tuple[list[float], str
             "max_tokens": 400, "temperature": 0, "logit_bias": {str(a_id): 100},
             "structured_outputs": {"grammar": AMBIGUOUS}}
     lat, (r,) = _during([lambda: _post(base, ALICE, body)], base, victims)
-    return lat, f"attacker: {r.status_code} {r.text[:120]}"
+    if r.status_code != 200:
+        return lat, f"attacker: {r.status_code} {r.text[:160]}"
+    got = r.json()
+    return lat, (f"attacker: 200, finish_reason {got['choices'][0]['finish_reason']!r} after "
+                 f"{got['usage']['completion_tokens']} tokens")
 
 
 def attack_whitelist(base: str, victims: int) -> tuple[list[float], str]:
