@@ -177,8 +177,12 @@ def attack_answer(base: str, victims: int, logprobs: bool = True) -> tuple[list[
                             "max_tokens": 1500, "min_tokens": 1500, "temperature": 1.0}
     if logprobs:
         body |= {"logprobs": True, "top_logprobs": 20}
-    lat, (r,) = _during([lambda: _post(base, ALICE, body, timeout=1800)], base, victims)
-    return lat, f"attacker: {r.status_code}, {len(r.content) / 1e6:.1f} MB body"
+    def timed() -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        return _post(base, ALICE, body, timeout=1800), time.perf_counter() - t0
+
+    lat, ((r, took),) = _during([timed], base, victims)
+    return lat, f"attacker: {r.status_code}, {len(r.content) / 1e6:.1f} MB body in {took:.1f} s"
 
 
 def attack_messages(base: str, victims: int) -> tuple[list[float], str]:
