@@ -170,7 +170,7 @@ class Scheduler:
         self.num_steps += 1
         if shares is not None:
             self.shares.deferrals_total += shares.deferred
-        self.shares.scheduled()
+        self.shares.scheduled(ran=bool(scheduled))
         for req, n in scheduled:  # (vLLM's _update_after_schedule)
             req.last_scheduled_step = self.num_steps
             req.num_computed_tokens += n

@@ -165,10 +165,13 @@ class TenantShares:
             self._kind = "with"
         return StepShares(caps)
 
-    def scheduled(self, now: float | None = None) -> None:
+    def scheduled(self, now: float | None = None, ran: bool = True) -> None:
         """After each schedule: the gap since the previous one is that step's time (its
-        forward, sampling and the worker loop around it); the cap follows the bound."""
+        forward, sampling and the worker loop around it); the cap follows the bound. An
+        empty step (the others' requests could not start: no blocks) measures nothing."""
         now = time.perf_counter() if now is None else now
+        if not ran:
+            self._kind = ""
         if self._last is not None and now - self._last[0] < IDLE_S:
             gap, kind = now - self._last[0], self._last[1]
             if kind == "alone":

@@ -144,6 +144,11 @@ def test_the_cap_follows_the_measured_bound():
     sh.plan({"alice": 16 * size(100, 1)})
     sh.scheduled(t + 5)  # (alone: no shares, nothing learnt)
     assert sh._last is None
+    sh.explore_every, alone = 1, sh.alone_s
+    sh.plan(demands)  # a step without alice in which bob's request could not start:
+    sh.scheduled(t + 5.0001, ran=False)  # empty, it says nothing of his steps alone
+    sh.scheduled(t + 5.0002)
+    assert sh.alone_s == alone
 
 
 def run_two_tenants(share: float) -> tuple[dict[str, list[int]], int]:
