@@ -39,7 +39,8 @@ from triptych.engine.device.cuda_graphs import CudaGraphRunner
 from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
 from triptych.engine.device.platform import sampler_argmax
 from triptych.engine.encoder.encoder_runner import EncoderRunner
-from triptych.engine.request import MMItem, RequestStatus
+from triptych.engine.request import MMItem
+from triptych.engine.runner.batch_sync import sync_batch
 from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
                                                      forward_context)
 from triptych.engine.runner.input_batch import InputBatch, StepInputs
@@ -108,45 +109,6 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(num_layers)]
-
-    def _sync(self, out: SchedulerOutput) -> np.ndarray:
-        """Make the batch hold exactly this step's requests, decodes first; returns tokens
-        per row.
-
-        A row is rewritten when its request is new, is another object under a reused id,
-        or its counters disagree with the scheduler's (preempted and resumed, imported
-        with KV, tokens added from outside): the request object is the truth. (The
-        scheduler has counted this step's tokens as computed already.)
-        """
-        batch = self.batch
-        scheduled = {r.request_id for r, _ in out.scheduled}
-        for rid in [rid for rid in batch.index if rid not in scheduled]:
-            if batch.reqs[batch.index[rid]].status == RequestStatus.RUNNING:
-                batch.rest(rid)  # not its turn this step: it keeps its matcher and counts
-            else:
-                batch.remove(rid)  # finished, aborted or preempted
-        for rid, (req, _) in list(batch.resting.items()):
-            if req.status != RequestStatus.RUNNING and rid not in scheduled:
-                batch.remove(rid)
-        for req, n in out.scheduled:
-            rid = req.request_id
-            row = batch.index.get(rid)
-            before = req.num_computed_tokens - n
-            if row is not None and (batch.reqs[row] is not req
-                                    or batch.num_computed[row] != before
-                                    or batch.num_tokens[row] != req.num_tokens):
-                batch.remove(rid)
-                row = None
-            if row is None:
-                batch.add(req, out.block_ids[rid], num_computed=before)
-            else:
-                batch.set_blocks(row, out.block_ids[rid])
-        batch.condense()
-        num_scheduled = np.zeros(batch.num_reqs, dtype=np.int64)
-        for req, n in out.scheduled:
-            num_scheduled[batch.index[req.request_id]] = n
-        batch.decodes_first(num_scheduled)
-        return num_scheduled
 
     def vision_spans(self, inp: StepInputs, num_scheduled: np.ndarray
                      ) -> list[tuple[int, torch.Tensor]]:
@@ -270,7 +232,7 @@ class ModelRunner:
         """The step's inputs on the device (one copy; tokens of the step in flight taken
         from its device ids), the vision tower, the forward and the LM head launched."""
         marks = [time.perf_counter()]
-        num_scheduled = self._sync(out)
+        num_scheduled = sync_batch(self.batch, out)
         in_flight = in_flight_rows(self.batch, self._last)
         inp = self.batch.prepare(num_scheduled, in_flight)
         marks.append(time.perf_counter())
