@@ -127,11 +127,12 @@ class Scheduler:
         seats = Seats(self.running, self.waiting, self.max_num_seqs) \
             if self.shares.share > 0 and self.waiting else None
         shares = self.shares.plan(self._demands(seats))  # None: nobody is crowded out
+        seated: list[Request] = []  # preempted for a seat (admission goes on this step)
         if shares is not None and seats is not None:
             for victim in seats.victims(self.running, self.waiting):
                 self._preempt(victim, "its tenant holds more than its part of the seats "
                                       "(max_num_seqs) while another tenant waits")
-                preempted.append(victim)
+                seated.append(victim)
         # Decodes first, then running prefill chunks, each in admission order (with tenant
         # shares: a tenant's sequences take turns, tenant_share.turn_order).
         order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens) \
@@ -163,8 +164,9 @@ class Scheduler:
                 continue
             scheduled.append((req, n))
             budget -= n
-        if not preempted:
-            self._admit_waiting(scheduled, budget, shares, seats)
+        if not preempted:  # (a victim of this schedule is not admitted again in it)
+            self._admit_waiting(scheduled, budget, shares, seats, seated)
+        preempted = seated + preempted
         block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in scheduled}
         out = SchedulerOutput(scheduled, sum(n for _, n in scheduled), block_ids, preempted)
         self.num_steps += 1
@@ -209,11 +211,13 @@ class Scheduler:
                        self.max_num_batched_tokens, self.max_num_seqs)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int,
-                       shares: StepShares | None, seats: Seats | None) -> None:
+                       shares: StepShares | None, seats: Seats | None,
+                       seated: list[Request]) -> None:
         passed: list[Request] = []  # over their tenant's share: others behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if shares is not None and seats is not None and seats.lets_others_first(req):
+            if any(req is v for v in seated) or (
+                    shares is not None and seats is not None and seats.lets_others_first(req)):
                 passed.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)

@@ -238,7 +238,7 @@ class Seats:
             if held[t] <= self.fair:
                 break
             out.append(next(r for r in reversed(running)
-                            if tenant_of(r) == t and r not in out))
+                            if tenant_of(r) == t and all(r is not o for o in out)))
             held[t] -= 1
         return out
 

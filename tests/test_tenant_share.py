@@ -194,11 +194,12 @@ def test_a_tenant_holding_every_seat_gives_one_back_to_another_waiting():
         s.add_request(req(f"a{i}", "alice", max_tokens=6))
     step(s)
     s.add_request(req("b", "bob", max_tokens=6))
-    out = s.schedule()  # every seat is alice's: her newest gives its seat back
-    assert [r.request_id for r in out.preempted] == ["a3"]
+    out = s.schedule()  # every seat is alice's: her newest gives its seat back, and bob
+    assert [r.request_id for r in out.preempted] == ["a3"]  # takes it in the same step
+    assert {r.request_id: n for r, n in out.scheduled}["b"] == 4
     s.update_from_output(out, {r.request_id: 7 for r, _ in out.scheduled
                                if r.request_id in out.sampling})
-    assert step(s)["b"] == 4  # bob is seated before a3, which waits at the front
+    assert "a3" not in step(s)  # a3 waits at the front while alice holds her part
     assert [r.request_id for r in s.waiting] == ["a3"]
     assert s.shares.seat_preemptions_total == 1
     seen = set()
