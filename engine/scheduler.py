@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
-from triptych.engine.tenant_share import (Seats, StepShares, TenantShares, demands,
-                                           turn_order)
+from triptych.engine.tenant_share import Seats, StepShares, TenantShares, demands, turn_order
 
 logger = logging.getLogger("triptych.scheduler")
 

@@ -6,12 +6,12 @@ resting structured-output request keeps its matcher (nothing replayed)."""
 from __future__ import annotations
 
 import pytest
+from triptych.engine import tenant_share
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request
 from triptych.engine.sample.sampling_params import SamplingParams
 from triptych.engine.scheduler import Scheduler
 from triptych.engine.structured.structured_params import StructuredOutputsParams
-from triptych.engine import tenant_share
 from triptych.engine.tenant_share import TenantShares, size
 
 

@@ -41,8 +41,11 @@ from triptych.engine.device.platform import sampler_argmax
 from triptych.engine.encoder.encoder_runner import EncoderRunner
 from triptych.engine.request import MMItem
 from triptych.engine.runner.batch_sync import sync_batch
-from triptych.engine.runner.forward_context import (AttentionMetadata, ForwardContext,
-                                                     forward_context)
+from triptych.engine.runner.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+)
 from triptych.engine.runner.input_batch import InputBatch, StepInputs
 from triptych.engine.runner.prompt_logprobs import record_prompt_logprobs
 from triptych.engine.runner.step_state import (
