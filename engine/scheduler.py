@@ -215,8 +215,8 @@ class Scheduler:
         passed: list[Request] = []  # over their tenant's share: others behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if any(req is v for v in seated) or (
-                    shares is not None and seats is not None and seats.lets_others_first(req)):
+            if any(req is v for v in seated) or shares is not None and (
+                    shares.held(req) or seats is not None and seats.lets_others_first(req)):
                 passed.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)

@@ -78,7 +78,8 @@ class StepShares:
     def __init__(self, caps: dict[str, float]) -> None:
         self.caps = caps  # tenant -> size it may take (< 0: it sits this step out)
         self.used: dict[str, float] = {}  # tenant -> size scheduled this step
-        self.done: set[str] = set()  # tenants that took their share of this step
+        self.done = {t for t, c in caps.items() if c < 0}  # tenants that took their share
+        # of this step (or sit it out)
         self.deferred = 0  # sequences held back or cut this step
 
     def take(self, req: Request, n: int, ctx: int, chunkable: bool) -> int:
