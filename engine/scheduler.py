@@ -26,12 +26,12 @@ counting its placeholders); one that stops at step N's token has step N+1's drop
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
-from triptych.engine.tenant_share import Seats, StepShares, TenantShares, demands, turn_order
+from triptych.engine.tenant_share import Seats, StepShares, TenantShares, tenant_of, turn_order
 
 logger = logging.getLogger("triptych.scheduler")
 
@@ -80,11 +80,14 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._warned_preemption = False
         self.shares = TenantShares(tenant_step_share)  # engine/tenant_share.py
+        self.tenants: Counter[str] = Counter()  # unfinished requests per tenant (shares
+        # cost nothing, not even a walk over the queues, while there is one)
         self.num_steps = 0
 
     # -- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.tenants[tenant_of(request)] += 1
         self.waiting.append(request)
 
     def add_prefilled_request(self, request: Request, block_ids: list[int]) -> None:
@@ -96,6 +99,7 @@ class Scheduler:
         self.kv.req_blocks[request.request_id] = blocks
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
+        self.tenants[tenant_of(request)] += 1
         self.running.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -112,7 +116,11 @@ class Scheduler:
             self.kv.take_blocks(request)
         else:
             self.kv.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            t = tenant_of(request)
+            self.tenants[t] -= 1
+            if self.tenants[t] <= 0:
+                del self.tenants[t]
 
     @property
     def num_unfinished(self) -> int:
@@ -123,9 +131,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        seats = Seats(self.running, self.waiting, self.max_num_seqs) \
-            if self.shares.share > 0 and self.waiting else None
-        shares = self.shares.plan(self._demands(seats))  # None: nobody is crowded out
+        shares, seats = self.shares.begin(  # (None, None: nobody is crowded out)
+            self.running, self.waiting, len(self.tenants), self._tokens_to_compute,
+            self.max_num_batched_tokens, self.max_num_seqs)
         seated: list[Request] = []  # preempted for a seat (admission goes on this step)
         if shares is not None and seats is not None:
             for victim in seats.victims(self.running, self.waiting):
@@ -202,12 +210,6 @@ class Scheduler:
                 req.num_computed_tokens < req.num_prompt_tokens:
             return min(n, PROMPT_LOGPROBS_CHUNK)
         return n
-
-    def _demands(self, seats: Seats | None) -> dict[str, float]:
-        if self.shares.share <= 0:
-            return {}
-        return demands(self.running, self.waiting, seats, self._tokens_to_compute,
-                       self.max_num_batched_tokens, self.max_num_seqs)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int,
                        shares: StepShares | None, seats: Seats | None,

@@ -148,6 +148,18 @@ class TenantShares:
         self._kind = ""  # this schedule's: "" (no shares) | "alone" | "with"
         self._last: tuple[float, str] | None = None  # the previous schedule's (time, kind)
 
+    def begin(self, running: list[Request], waiting: deque[Request], num_tenants: int,
+              tokens_to_compute: Callable[[Request], int], max_tokens: int, max_seqs: int
+              ) -> tuple[StepShares | None, Seats | None]:
+        """A schedule's shares and seats; (None, None) while fewer than two tenants have
+        requests (or shares are off): then nothing here walks the queues."""
+        if self.share <= 0 or num_tenants < 2:
+            self._kind = ""
+            return None, None
+        seats = Seats(running, waiting, max_seqs) if waiting else None
+        asks = demands(running, waiting, seats, tokens_to_compute, max_tokens, max_seqs)
+        return self.plan(asks), seats
+
     def plan(self, asks: dict[str, float]) -> StepShares | None:
         """``asks``: tenant -> the size of what it would run now (``demands``). None when
         nobody is crowded out (one tenant, or shares off)."""

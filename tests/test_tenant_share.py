@@ -72,6 +72,7 @@ def test_a_tenant_alone_or_tenants_asking_alike_keep_whole_steps():
     s = make(cap=1.0)
     for i in range(4):
         s.add_request(req(f"a{i}", "alice"))
+    assert s.tenants == {"alice": 4}  # one tenant: no shares, no walk over the queues
     for _ in range(3):
         assert len(step(s)) == 4  # alone: no cap
     for i in range(4):
@@ -212,4 +213,5 @@ def test_a_tenant_holding_every_seat_gives_one_back_to_another_waiting():
     while s.num_unfinished:
         seen |= set(step(s))
     assert "a3" in seen and s.shares.seat_preemptions_total == 1  # (no churn after)
+    assert not s.tenants  # (the count of each tenant's requests follows them out)
     s.kv.check_integrity()
