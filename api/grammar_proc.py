@@ -21,7 +21,6 @@ from typing import BinaryIO
 import msgspec
 
 MAX_FRAME = 256 << 20  # a tokenizer's JSON (150k tokens) is a few MB
-NICE = 10  # CPU priority below the engine's
 
 
 class Start(msgspec.Struct):
@@ -91,10 +90,6 @@ def main() -> int:
     start = read_frame(inp, Start)
     if start is None:
         return 0
-    try:  # below the engine and P0 (as the preparation processes): its start (importing
-        os.nice(NICE)  # xgrammar: ~1.5 s of CPU) and a long compile must not slow
-    except OSError:  # other tenants' steps on a small box
-        pass
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(start.tokenizer_info)
