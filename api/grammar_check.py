@@ -16,6 +16,7 @@ sees only specs P0 has compiled within the bound.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import struct
 import sys
@@ -25,6 +26,8 @@ from typing import Any
 import msgspec
 from triptych.api.grammar_proc import Job, Start, Verdict
 from triptych.engine.structured.structured_params import StructuredOutputsParams
+
+logger = logging.getLogger("triptych.grammar_check")
 
 VERDICTS = 1024  # specs whose verdict is kept (least recently used go first)
 MAX_WAITING = 16  # a tenant's compiles waiting at once; more are refused (429)
@@ -224,6 +227,17 @@ class GrammarChecker:
                 del self._running[tenant]
             self._idle.append(proc)
             self._pump()
+
+    async def prewarm(self) -> None:
+        """Start the compile processes now, not at the first structured request: each
+        imports xgrammar (~1.5 s of CPU); on a server with several tenants that start would
+        fall on whoever shares the box with the first tenant to ask for a grammar."""
+        try:
+            await self._make_info()
+            assert self._info is not None
+            await asyncio.gather(*(p.warm(self._info) for p in self._procs))
+        except CheckerDown as e:  # (the first check retries, and names it)
+            logger.warning("structured output: %s", e)
 
     def close(self) -> None:
         for p in self._procs:

@@ -11,6 +11,7 @@ echoes nothing internal.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -106,7 +107,13 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # several tenants: the grammar compile processes start with the server (their
+        # start-up would otherwise slow the others when one tenant first asks for one)
+        warm = asyncio.create_task(stage.grammars.prewarm()) if config.tenants.several \
+            else None
         yield
+        if warm is not None:
+            warm.cancel()
         if on_shutdown is not None:
             await on_shutdown()
 

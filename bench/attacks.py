@@ -234,7 +234,11 @@ def run(args: argparse.Namespace) -> int:
                     if proc.poll() is not None or time.time() > deadline:
                         raise SystemExit("the server did not start")
                     time.sleep(0.5)
-                _bob(base, 2)  # warm
+                _bob(base, 2)  # warm; and wait for the grammar compile processes, which a
+                # server with keys starts with itself (their start is not an attack)
+                _post(base, BOB, {"messages": [{"role": "user", "content": "x"}],
+                                  "max_tokens": 2, "structured_outputs": {"regex": "[ab]+"}},
+                      timeout=300)
                 for name in names:
                     idle = _bob(base, args.victims)
                     fn = {"sockets": lambda: attack_sockets(base, port, args.victims),
