@@ -17,7 +17,8 @@ its cap has its sequences take turns (a few steps each, ``turn_order``) and its 
 chunks cut to fit; it runs at least one sequence a step but in those it sits out, so
 nobody stalls. No tenant is held below what the busiest other tenant asks, so tenants
 that ask alike share steps as before; a tenant alone keeps the whole step. The busiest
-pays: while contended it runs at most its share and sits out one step in EXPLORE_EVERY.
+pays: while contended it runs at most its share and sits out one step in EXPLORE_EVERY
+(one in 64 while its steps cost the others less than half the bound allows).
 ``--tenant-step-share`` sets ``share`` (0: off, first come first served as vLLM's
 scheduler).
 
@@ -39,6 +40,8 @@ from triptych.engine.request import Request
 
 IDLE_S = 1.0  # a gap this long between two schedules is an idle engine, not a step
 EXPLORE_EVERY = 8  # contended steps, on average, between two without the busiest tenant
+MAX_STRETCH = 8  # while its steps cost the others little, it sits out less: down to one
+# step in EXPLORE_EVERY x this (a GPU, where one more sequence costs a step almost nothing)
 # (drawn at random: a period could lock onto the requests' own rhythm)
 SHRINK, GROW = 0.8, 1.05  # the cap's steps down (over the bound) and up (under it)
 CTX_PER_TOKEN = 1024  # context tokens attended that weigh as much as one token computed
@@ -144,6 +147,7 @@ class TenantShares:
         self.deferrals_total = 0  # sequences held back or cut to keep a tenant to its share
         self.seat_preemptions_total = 0  # sequences preempted to seat another tenant's
         self.explore_every = EXPLORE_EVERY  # (tests: 0 never, 1 always)
+        self.stretch = 1  # x explore_every: doubled while the bound is met with room
         self._draw = random.Random(0)
         self._kind = ""  # this schedule's: "" (no shares) | "alone" | "with"
         self._last: tuple[float, str] | None = None  # the previous schedule's (time, kind)
@@ -171,8 +175,8 @@ class TenantShares:
             self.cap = asks[busiest]
         self.cap = max(1.0, min(self.cap, asks[busiest]))
         caps = {t: max([self.cap] + [a for u, a in asks.items() if u != t]) for t in asks}
-        if self.explore_every and (self.alone_s is None or
-                                   self._draw.random() * self.explore_every < 1):
+        if self.explore_every and (self.alone_s is None or self._draw.random()
+                                   * self.explore_every * self.stretch < 1):
             caps[busiest], self._kind = -1.0, "alone"
         else:
             self._kind = "with"
@@ -189,6 +193,9 @@ class TenantShares:
             gap, kind = now - self._last[0], self._last[1]
             if kind == "alone":
                 self.alone_s = _ewma(self.alone_s, gap, 0.3)
+                roomy = self.with_s is not None and \
+                    self.with_s < (1 + self.share / 2) * self.alone_s
+                self.stretch = min(MAX_STRETCH, self.stretch * 2) if roomy else 1
             elif kind == "with" and self.alone_s is not None and self.cap is not None:
                 self.with_s = _ewma(self.with_s, gap, 0.2)
                 over = self.with_s > (1 + self.share) * self.alone_s

@@ -145,6 +145,19 @@ def test_the_cap_follows_the_measured_bound():
     sh.plan({"alice": 16 * size(100, 1)})
     sh.scheduled(t + 5)  # (alone: no shares, nothing learnt)
     assert sh._last is None
+    # steps with her cost bob little (a GPU): she sits out fewer steps, down to 1 in 64
+    sh2 = TenantShares(0.5)
+    sh2.alone_s, sh2.with_s, sh2.cap = 1e-3, 1.1e-3, 8.0
+    for k in range(4):
+        sh2._kind = "alone"
+        sh2.scheduled(100.0 + 10 * k)  # (pairs further apart than an idle gap)
+        sh2.scheduled(100.0 + 10 * k + 1e-3)  # an alone step of 1 ms: 1.1 < 1.25 x 1 ms
+    assert sh2.stretch == tenant_share.MAX_STRETCH
+    sh2.with_s = 1.4e-3  # near the bound again: back to one in EXPLORE_EVERY
+    sh2._kind = "alone"
+    sh2.scheduled(200.0)
+    sh2.scheduled(200.0 + 1e-3)
+    assert sh2.stretch == 1
     sh.explore_every, alone = 1, sh.alone_s
     sh.plan(demands)  # a step without alice in which bob's request could not start:
     sh.scheduled(t + 5.0001, ran=False)  # empty, it says nothing of his steps alone
