@@ -40,9 +40,9 @@ from triptych.engine.request import Request
 
 IDLE_S = 1.0  # a gap this long between two schedules is an idle engine, not a step
 EXPLORE_EVERY = 8  # contended steps, on average, between two without the busiest tenant
+# (drawn at random: a period could lock onto the requests' own rhythm)
 MAX_STRETCH = 8  # while its steps cost the others little, it sits out less: down to one
 # step in EXPLORE_EVERY x this (a GPU, where one more sequence costs a step almost nothing)
-# (drawn at random: a period could lock onto the requests' own rhythm)
 SHRINK, GROW = 0.8, 1.05  # the cap's steps down (over the bound) and up (under it)
 CTX_PER_TOKEN = 1024  # context tokens attended that weigh as much as one token computed
 TURN_STEPS = 8  # a sequence held back this many steps goes before those that ran
