@@ -45,9 +45,10 @@ class BeamClient:
     def new_request_id(self, prefix: str) -> str:
         return self.client.new_request_id(prefix)
 
-    async def submit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
-                     ) -> AsyncIterator[wire.RequestDelta]:
-        """The search's answer as deltas. Raises ValueError for a search it cannot run."""
+    async def submit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                     stream: bool = True) -> AsyncIterator[wire.RequestDelta]:
+        """The search's answer as deltas (the texts come whole at the end, whatever
+        ``stream``). Raises ValueError for a search it cannot run."""
         bp = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
                               ignore_eos=params.ignore_eos, length_penalty=self.length_penalty,
                               early_stopping=self.early_stopping)

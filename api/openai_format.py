@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from triptych.router.detokenizer import token_text
+from triptych.api.logprobs_json import ItemPieces
+from triptych.router.detokenizer import token_text, token_texts
 from triptych.worker import wire
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
@@ -111,6 +112,8 @@ class Formatter:
     def __init__(self, tokenizer: Any, shape: Shape, rid: str, created: int) -> None:
         self.tok, self.s, self.rid, self.created = tokenizer, shape, rid, created
         self._tool_text: dict[int, tuple[Any, str]] = {}  # streamed choice -> (reader, text)
+        self._pieces: ItemPieces | None = None  # chat logprobs' JSON per token id
+        self._texts: dict[int, str] | None = None  # the tokenizer's token texts
 
     def _tool_delta(self, index: int, c: wire.CompletionDelta) -> tuple[dict, str | None]:
         """A streamed chat choice's delta and finish reason with tool calls read out of
@@ -128,7 +131,9 @@ class Formatter:
     def _token(self, tid: int) -> str:
         if self.s.tokens_as_ids:
             return f"token_id:{tid}"
-        return token_text(self.tok, tid)
+        if self._texts is None:
+            self._texts = token_texts(self.tok)
+        return token_text(self.tok, tid, self._texts)
 
     def chat_logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict:
         # Each dict holds the top-k ids plus the sampled one (which may be outside them).
@@ -212,12 +217,16 @@ class Formatter:
         choice.add(c)
         if self.s.logprobs is None:
             return
-        if self.s.chat:
-            lp = self.chat_logprobs(c.token_ids, c.logprobs or [])
-        else:
-            lp = self.completion_logprobs(c.token_ids, c.logprobs or [],
-                                          len(prompt.echo) + choice.text_chars)
-            choice.text_chars += sum(len(t) for t in lp["tokens"])
+        if self.s.chat:  # straight to JSON text (api/logprobs_json.py)
+            items = choice.lp_items.setdefault("content", [])
+            if c.token_ids and c.logprobs:
+                if self._pieces is None:
+                    self._pieces = ItemPieces(self.tok, self.s.tokens_as_ids, self._token)
+                items.append(self._pieces.content(c.token_ids, c.logprobs, self.s.logprobs))
+            return
+        lp = self.completion_logprobs(c.token_ids, c.logprobs or [],
+                                      len(prompt.echo) + choice.text_chars)
+        choice.text_chars += sum(len(t) for t in lp["tokens"])
         for key, values in lp.items():
             items = choice.lp_items.setdefault(key, [])
             if values:

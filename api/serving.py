@@ -61,13 +61,15 @@ class Generation:
         except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
             self._q.put_nowait((i, e))
 
-    async def start(self) -> None:
+    async def start(self, stream: bool = True) -> None:
         """Submit every job; return once each has its first output (raise if refused,
-        ``ClientGone`` if the client left first)."""
+        ``ClientGone`` if the client left first). ``stream`` False: the answer is read
+        whole, so the engine's texts are decoded once, at the end (unless stop strings
+        need them sooner), not token by token."""
         for i, job in enumerate(self.jobs):
             rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{i}"
-            stream = self.client.submit(rid, job.prompt, job.params)
-            task = asyncio.ensure_future(self._pump(i, stream))
+            deltas = self.client.submit(rid, job.prompt, job.params, stream=stream)
+            task = asyncio.ensure_future(self._pump(i, deltas))
             task.add_done_callback(lambda _, k=job.params.n: self.slots.release(k))
             self._tasks.append(task)
         seen: set[int] = set()
@@ -126,7 +128,7 @@ class Responder:
         first token has it aborted as well."""
         watch = asyncio.ensure_future(_watch(self.raw, self.gen))
         try:
-            await self.gen.start()
+            await self.gen.start(stream)
         except ClientGone:
             watch.cancel()
             self._submitted()

@@ -43,7 +43,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id / string that ended it
     text_delta: str = ""  # text added since the previous output of this request (streaming)
     token_ids_delta: list[int] = field(default_factory=list)  # ids added since then
-    logprobs_delta: list[dict[int, Logprob]] | None = None  # their logprobs, when asked for
+    # their logprobs, when asked for; the worker's plain {id: logprob} dicts for a request
+    # registered for deltas only (router/output_processor.py: then ``logprobs`` is None)
+    logprobs_delta: list[dict[int, Logprob]] | list[dict[int, float]] | None = None
     finished_now: bool = False  # this output is the first to carry its finish_reason
 
     def finished(self) -> bool:

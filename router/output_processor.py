@@ -22,7 +22,7 @@ from triptych.engine.outputs import (
     RequestOutput,
 )
 from triptych.engine.sample.sampling_params import SamplingParams
-from triptych.router.detokenizer import IncrementalDetokenizer, token_text
+from triptych.router.detokenizer import IncrementalDetokenizer, token_text, token_texts
 
 
 def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -50,6 +50,9 @@ class _Child:
     detok: IncrementalDetokenizer
     incremental: bool  # decode as tokens arrive (stream / stop strings) or once at the end
     want_logprobs: bool
+    # logprobs as the worker sent them ({id: logprob}), kept only until reported: a
+    # request whose reader wants deltas alone (the HTTP server's, ``Router.submit``)
+    raw_logprobs: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cum_logprob: float = 0.0
@@ -80,11 +83,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
         self._child: dict[str, tuple[_Parent, int]] = {}
+        self._texts = token_texts(tokenizer)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, stream: bool = True,
-            arrival_time: float | None = None) -> list[tuple[str, SamplingParams]]:
-        """Register a client request; returns the (child id, params) pairs to run."""
+            arrival_time: float | None = None,
+            deltas_only: bool = False) -> list[tuple[str, SamplingParams]]:
+        """Register a client request; returns the (child id, params) pairs to run.
+        ``stream``: its text is read as it grows (else decoded once, at the end, unless
+        stop strings need it sooner); ``deltas_only``: its reader takes each output's
+        deltas and nothing else (the HTTP server), so logprobs stay the worker's plain
+        {id: logprob} dicts, kept only until reported (``logprobs`` None, the deltas'
+        ``logprobs_delta`` plain dicts): n=16 x 1,500 tokens x 21 alternatives kept as
+        Logprob objects were ~500k objects for P0's garbage collector to walk."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         kids = child_requests(request_id, params)
@@ -94,7 +105,7 @@ class OutputProcessor:
                                            sp.skip_special_tokens,
                                            sp.include_stop_str_in_output)
             children.append(_Child(cid, detok, stream or bool(detok.stop),
-                                   sp.logprobs is not None))
+                                   sp.logprobs is not None, deltas_only))
         p = _Parent(request_id, prompt, list(prompt_token_ids), children,
                     RequestMetrics(arrival_time or time.monotonic()))
         self.parents[request_id] = p
@@ -171,7 +182,7 @@ class OutputProcessor:
             c.token_ids.append(tok)
             if c.want_logprobs and out.new_logprobs is not None:
                 lp = out.new_logprobs[k]
-                c.logprobs.append(self._ranked(lp))
+                c.logprobs.append(lp if c.raw_logprobs else self._ranked(lp))
                 c.cum_logprob += lp[tok]
             if c.incremental:
                 hit = c.detok.add_token(tok)
@@ -182,7 +193,7 @@ class OutputProcessor:
 
     def _ranked(self, lp: dict[int, float]) -> dict[int, Logprob]:
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-        return {t: Logprob(v, r + 1, token_text(self.tokenizer, t))
+        return {t: Logprob(v, r + 1, token_text(self.tokenizer, t, self._texts))
                 for r, (t, v) in enumerate(ranked)}
 
     def _output(self, p: _Parent) -> RequestOutput:
@@ -193,7 +204,10 @@ class OutputProcessor:
                 c.detok.add_tokens(c.token_ids)  # the only decode of this completion
                 c.incremental = True
             delta_ids = c.token_ids[c.sent_tokens:]
-            delta_lps = c.logprobs[c.sent_tokens:] if c.want_logprobs else None
+            if c.raw_logprobs:
+                delta_lps, c.logprobs = (c.logprobs if c.want_logprobs else None), []
+            else:
+                delta_lps = c.logprobs[c.sent_tokens:] if c.want_logprobs else None
             c.sent_tokens = len(c.token_ids)
             finished_now = finished and not c.finish_sent
             c.finish_sent = finished
@@ -202,7 +216,7 @@ class OutputProcessor:
             comps.append(CompletionOutput(
                 index=i, text=c.detok.text, token_ids=c.token_ids,
                 cumulative_logprob=c.cum_logprob if c.want_logprobs else None,
-                logprobs=c.logprobs if c.want_logprobs else None,
+                logprobs=c.logprobs if c.want_logprobs and not c.raw_logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 text_delta=c.detok.pop_delta(finished) if c.incremental else "",
                 token_ids_delta=delta_ids, logprobs_delta=delta_lps, finished_now=finished_now))

@@ -288,8 +288,8 @@ class Router:
         worker refuses it and EngineDeadError if no live worker can run or finish it."""
         # NOTE: aclosing: a client that goes away closes this generator, and the inner one
         # must run its finally (the abort) now, not whenever the garbage collector gets to it.
-        async with contextlib.aclosing(self.outputs_of(request_id, prompt, params,
-                                                       stream)) as outs:
+        async with contextlib.aclosing(self.outputs_of(request_id, prompt, params, stream,
+                                                       deltas_only=True)) as outs:
             sent_prompt_lps = False
             first = await self._first_output(outs)
             if first is None:
@@ -322,9 +322,10 @@ class Router:
             "workers are overloaded or stuck; retry later")
 
     async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
-                         params: SamplingParams, stream: bool = True
-                         ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's RequestOutputs (the offline LLM's view; see ``submit``)."""
+                         params: SamplingParams, stream: bool = True,
+                         deltas_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's RequestOutputs (the offline LLM's view; see ``submit``;
+        ``stream`` and ``deltas_only`` as in ``OutputProcessor.add``)."""
         if self._closed or self.migration is None:
             raise EngineDeadError("the server is shutting down" if self._closed else
                                   "the router is not started")
@@ -332,7 +333,7 @@ class Router:
         wire.encode(wire.AddRequest(request_id, prompt.prompt_token_ids, params))  # ValueError
         request = ClientRequest(request_id, prompt, asyncio.Queue())
         kids = self.outputs.add(request_id, prompt.prompt_text, prompt.prompt_token_ids,
-                                params, stream)
+                                params, stream, deltas_only=deltas_only)
         self.requests.add(request, [Child(cid, sp, request) for cid, sp in kids])
         finished = False
         try:
@@ -383,7 +384,9 @@ def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.Request
         if not c.token_ids_delta and not c.finished_now and not c.text_delta:
             continue  # nothing new (a finish is reported once)
         lps = None
-        if c.logprobs_delta and c.token_ids_delta:  # (this output's own: c.logprobs grows)
+        if c.logprobs_delta and c.token_ids_delta and c.logprobs is None:
+            lps = c.logprobs_delta  # (plain dicts: registered for deltas only)
+        elif c.logprobs_delta and c.token_ids_delta:  # (this output's own: c.logprobs grows)
             lps = [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs_delta]
         comps.append(wire.CompletionDelta(c.index, c.text_delta, c.token_ids_delta,
                                           c.finish_reason, c.stop_reason, lps))

@@ -94,3 +94,27 @@ def test_a_big_answer_is_served_in_pieces_never_joined(tok):
     assert [len(c["logprobs"]["content"]) for c in body["choices"]] == [1500] * n
     assert all(1 <= len(t["top_logprobs"]) <= k for c in body["choices"]
                for t in c["logprobs"]["content"])  # (k drawn alternatives may repeat)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_chat_logprobs_written_as_text_equal_json_of_the_dicts_byte_for_byte(tok, as_ids):
+    """api/logprobs_json.py writes each alternative from pieces kept per token id; its text
+    is json.dumps's of the dicts, byte for byte (ids across the vocabulary: multi-byte
+    characters, partial UTF-8, quotes and backslashes), and a non-finite logprob is refused
+    as json refuses it."""
+    from triptych.api.logprobs_json import ItemPieces
+    from triptych.api.openai_format import _dumps
+
+    rng = random.Random(1)
+    vocab = len(tok)
+    for k in (0, 1, 5):
+        fmt = Formatter(tok, Shape(True, "tiny", logprobs=k, tokens_as_ids=as_ids), "id", 0)
+        ids = [rng.randrange(vocab) for _ in range(60)]
+        lps = [{t: rng.choice([-rng.random() * 30, 0.0, -1e-7, -123456.789])
+                for t in [i] + [rng.randrange(vocab) for _ in range(k)]} for i in ids]
+        pieces = ItemPieces(tok, as_ids, fmt._token)
+        assert pieces.content(ids, lps, k) == _dumps(fmt.chat_logprobs(ids, lps)["content"])[1:-1]
+    with pytest.raises(ValueError):
+        pieces.content([5], [{5: float("-inf")}], 0)
+    with pytest.raises(ValueError):
+        _dumps(fmt.chat_logprobs([5], [{5: float("-inf")}]))

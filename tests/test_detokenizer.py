@@ -106,3 +106,34 @@ def test_outputs_carry_deltas_not_copies_of_the_whole_output(tok):
     assert len(lists) == 1, "a new list per step: the whole output was copied"
     assert c.token_ids == seen == ids and len(c.logprobs) == len(ids)
     assert c.text == "".join(deltas) == text
+
+
+def test_a_reader_of_deltas_alone_gets_plain_logprobs_kept_until_reported(tok):
+    """Registered for deltas only and not streamed (the HTTP server's whole answers): each
+    output carries its tokens' logprobs as the worker's plain {id: logprob} dicts, the
+    processor keeps none it has reported (no Logprob objects, no history: ``logprobs`` is
+    None), and the text comes once, whole, with the finish; ``Router``'s ``_delta`` passes
+    those dicts on as they are."""
+    from triptych.engine.outputs import EngineCoreOutput
+    from triptych.engine.sample.sampling_params import SamplingParams
+    from triptych.router.output_processor import OutputProcessor
+    from triptych.router.router import _delta
+
+    text = "héllo 日本語 ✓ the quick brown fox"
+    ids = tok.encode(text)
+    op = OutputProcessor(tok)
+    op.add("r", None, tok.encode("prompt"), SamplingParams(max_tokens=len(ids), logprobs=1),
+           stream=False, deltas_only=True)
+    (child,) = op.parents["r"].children
+    texts = []
+    for k, t in enumerate(ids):
+        sent = {t: -0.5, 0: -3.0}
+        (out,), _ = op.process([EngineCoreOutput(
+            "r", [t], [sent], "length" if k == len(ids) - 1 else None)])
+        c = out.outputs[0]
+        assert c.logprobs is None and c.logprobs_delta == [sent]
+        assert c.logprobs_delta[0] is sent  # the worker's dict itself, not a copy
+        assert _delta(out).completions[0].logprobs == [sent]
+        assert child.logprobs == []  # nothing kept once reported
+        texts.append(c.text_delta)
+    assert texts[:-1] == [""] * (len(ids) - 1) and texts[-1] == text
