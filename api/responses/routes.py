@@ -73,7 +73,7 @@ class Run:
 
     async def deltas(self, gen: Generation, outcome: Outcome) -> AsyncIterator[Any]:
         """The engine's completion deltas, recorded into ``outcome`` as they pass."""
-        await gen.start()
+        await gen.start(self.req.stream)  # a whole response: its text decoded once
         finished = False
         while not finished:
             _, d = await gen.next()
@@ -84,8 +84,9 @@ class Run:
             for c in d.completions:
                 outcome.text += c.text
                 outcome.token_ids += c.token_ids
-                if self.chat.logprobs:
-                    outcome.logprobs = (outcome.logprobs or []) + self.logprobs(c)
+                if self.chat.logprobs:  # (extended in place: a copy per delta is quadratic)
+                    outcome.logprobs = outcome.logprobs if outcome.logprobs is not None else []
+                    outcome.logprobs += self.logprobs(c)
                 outcome.finish_reason = c.finish_reason or outcome.finish_reason
                 yield c
             finished = d.finished
