@@ -25,6 +25,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -69,6 +70,10 @@ def add_parser(sub: Any) -> None:
                    help="which, comma-separated")
     p.add_argument("--victims", type=int, default=8, help="bob's requests per measurement")
     p.add_argument("--json-out", default=None, help="also write the figures here")
+    p.add_argument("--serve-args", default="",
+                   help="more flags for the server, as one string (e.g. "
+                        "\"--tenant-step-share 0.25\"): the attacks replayed against your "
+                        "settings")
 
 
 def _post(base: str, key: str, body: dict, timeout: float = 300) -> Any:
@@ -209,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     names = [a.strip() for a in args.attacks.split(",") if a.strip()]
     tok = AutoTokenizer.from_pretrained(args.model or demo_checkpoint())
     (a_id,) = tok.encode("a", add_special_tokens=False)
-    report: dict[str, Any] = {"machine": machine(), "attacks": {}}
+    report: dict[str, Any] = {"machine": machine(), "serve_args": args.serve_args,
+                              "attacks": {}}
     print(report["machine"], flush=True)
     with tempfile.TemporaryDirectory() as d:
         keys = os.path.join(d, "keys")
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "triptych", "serve", "--host", "127.0.0.1", "--port",
                str(port), "--api-keys-file", keys, "--max-request-bytes", str(64 << 20),
-               *(["--model", args.model] if args.model else [])]
+               *(["--model", args.model] if args.model else []), *shlex.split(args.serve_args)]
         with open(os.path.join(d, "serve.log"), "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:

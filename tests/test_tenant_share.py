@@ -165,6 +165,32 @@ def test_the_cap_follows_the_measured_bound():
     assert sh.alone_s == alone
 
 
+def test_the_held_tenant_stays_held_a_moment_after_the_others_leave():
+    """LINGER_S: bob's next request, sent as his last one ends, finds a step of alice's
+    cap in flight, not one of all her sequences; after LINGER_S she has whole steps."""
+    s = make(cap=1.5)
+    for i in range(4):
+        s.add_request(req(f"a{i}", "alice"))
+    step(s)
+    s.add_request(req("b", "bob", max_tokens=2))
+    while "b" in {r.request_id for r in s.running} | {r.request_id for r in s.waiting}:
+        step(s)
+    assert s.tenants == {"alice": 4}
+    for _ in range(3):  # alone again, within LINGER_S: still her cap's worth
+        assert len(step(s)) == 2
+    s.shares._held_at -= tenant_share.LINGER_S
+    assert len(step(s)) == 4  # then whole steps
+
+
+def test_a_first_cap_starts_from_the_others_ask():
+    """The first contention holds the busiest to what the others ask (then the measured
+    bound grows it), not to all it asks (then ~20 steps of shrinking at 0.8 a step)."""
+    sh = TenantShares(0.5)
+    sh.explore_every = 0
+    shares = sh.plan({"alice": 128 * size(10, 1), "bob": size(3, 1)})
+    assert shares is not None and sh.cap == pytest.approx(max(1.0, size(3, 1)))
+
+
 def run_two_tenants(share: float, async_scheduling: bool = False
                     ) -> tuple[dict[str, list[int]], int]:
     from triptych.config import EngineConfig
