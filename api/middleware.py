@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -87,12 +88,16 @@ class BodyLimitMiddleware:
     mod_reqtimeout rule), else 408 and the connection is closed. A body with more than
     ``max_values`` commas (JSON values, counted as the bytes arrive: prose has about one per
     60 characters, base64 none) gets 413 before it is parsed: parsing 3 M small values
-    holds P0's event loop ~0.2 s, and everyone's requests with it."""
+    holds P0's event loop ~0.2 s, and everyone's requests with it. ``prechecks``: path ->
+    a check of the whole body before the app parses it (an error message: 400), e.g. the
+    validation pass's message bound on a chat body (api/template_cost.py ``raw_bound``)."""
 
     def __init__(self, app: Any, max_bytes: int, max_inflight_bytes: int | None = None,
                  timeout_s: float = 30.0, min_rate: int = 64 << 10, share: float = 0.5,
-                 max_values: int = 1 << 20) -> None:
+                 max_values: int = 1 << 20,
+                 prechecks: dict[str, Callable[[bytes], str | None]] | None = None) -> None:
         self.app, self.max_bytes, self.max_values = app, max_bytes, max_values
+        self.prechecks = prechecks or {}
         self.max_inflight = max_inflight_bytes or 4 * max_bytes
         self.timeout_s, self.min_rate = timeout_s, min_rate
         self.share = max(int(share * self.max_inflight), max_bytes)
@@ -148,6 +153,14 @@ class BodyLimitMiddleware:
                 holder.release()
         if status:
             return await self._answer(scope, receive, send, status, too_many)
+        check = self.prechecks.get(scope["path"])
+        if check is not None:
+            body[:] = [b"".join(body)]
+            message = check(body[0])
+            if message is not None:
+                body.clear()
+                resp = error_response(400, message, "invalid_request_error", "messages")
+                return await resp(scope, receive, send)
         replayed = False
 
         async def replay() -> dict:  # the whole body once, then the real channel

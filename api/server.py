@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -151,7 +152,9 @@ def build_app(client: Any, processor: InputProcessor, config: AppConfig,
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
                        max_inflight_bytes=config.max_inflight_body_bytes,
                        timeout_s=config.body_timeout_s, min_rate=config.body_min_rate,
-                       share=config.body_share, max_values=config.max_body_values)
+                       share=config.body_share, max_values=config.max_body_values,
+                       prechecks={"/v1/chat/completions": functools.partial(
+                           limits.template.raw_bound, max_chars=limits.prompt_chars)})
     app.add_middleware(AuthMiddleware, tenants=config.tenants,
                        protect_metrics=config.protect_metrics)
     app.add_middleware(RequestIdMiddleware)

@@ -19,11 +19,13 @@ the context), so it never turns away a request the model could serve.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 PROBE_ROLES = ("user", "assistant", "system", "tool")
+_ROLE_PAIR = re.compile(rb'"role"\s*:\s*"')  # a message's role (a string value)
 OTHER = "*"  # any role the probes did not name (custom roles reach the template as sent)
 
 
@@ -53,6 +55,29 @@ class TemplateCost:
             chars += c.chars
             tokens += c.tokens
         return RoleCost(chars, tokens)
+
+    def least_per_message(self) -> int:
+        """The fewest characters any one message adds (its role's text around it, plus the
+        one the validation pass counts per message)."""
+        return 1 + min([c.chars for c in self.roles.values()] or [0])
+
+    def raw_bound(self, body: bytes, max_chars: int) -> str | None:
+        """The validation pass's message bound on a chat body still unparsed (called by
+        api/middleware.py before FastAPI validates it): parsing 250,000 messages into
+        models holds P0's event loop ~0.7 s, and everyone's requests with it. Counts the
+        ``"role": "..."`` pairs (a string value: a tool schema's "role" property is an
+        object, and a pair inside a JSON string has its quotes escaped) and refuses, with
+        the validation pass's own words, what it would refuse once parsed; None when it
+        may go on. A whole body's scan is one ``bytes.count`` unless that is over."""
+        least = self.least_per_message()
+        if body.count(b'"role"') * least <= max_chars:
+            return None
+        n = len(_ROLE_PAIR.findall(body))
+        if (n - 1) * least <= max_chars:  # (the first message counts nothing, as ``bound``)
+            return None
+        return (f"the messages and the chat template around them make at least "
+                f"{(n - 1) * least} characters ({n} messages); this server takes at most "
+                f"{max_chars} (--max-prompt-chars)")
 
     @classmethod
     def measure(cls, render: Callable[[list[dict]], str],

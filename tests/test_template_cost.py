@@ -61,3 +61,28 @@ def test_no_template_or_a_refusing_one_bounds_nothing():
         raise ValueError("no")
 
     assert TemplateCost.measure(refuse, lambda s: 0).bound(["user"] * 10).chars == 0
+
+
+def test_the_raw_body_bound_refuses_only_what_the_parsed_check_refuses(tokenizer):
+    """``raw_bound`` (run on a chat body before it is parsed) counts the messages' role
+    pairs: never more than the validation pass counts once parsed, so it refuses nothing
+    that pass would take; a "role" inside a text or a tool schema's property is no message."""
+    import json
+
+    cost = TemplateCost.of_tokenizer(tokenizer)
+    least = cost.least_per_message()
+    limit = 1000
+    for n in range(1, 3 * limit // least):
+        msgs = [{"role": "user" if k % 2 == 0 else "assistant", "content": ""}
+                for k in range(n)]
+        parsed = n + cost.bound(m["role"] for m in msgs).chars  # what check_chat counts
+        raw = cost.raw_bound(json.dumps({"messages": msgs}).encode(), limit)
+        assert raw is None or parsed > limit, n
+        if raw is not None:
+            assert f"({n} messages)" in raw and "--max-prompt-chars" in raw
+    refused = [{"role": "user", "content": ""}] * (2 * limit)
+    assert cost.raw_bound(json.dumps({"messages": refused}).encode(), limit) is not None
+    decoys = {"messages": [{"role": "user", "content": '"role": "user" ' * 5000}],
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                  "type": "object", "properties": {"role": {"type": "string"}}}}}] * 3000}
+    assert cost.raw_bound(json.dumps(decoys).encode(), limit) is None

@@ -163,6 +163,7 @@ def test_a_conversation_too_long_for_the_template_is_refused_before_rendering(se
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and "--max-prompt-chars" in err["message"], err
+    assert "(250000 messages)" in err["message"], err  # counted in the raw body, unparsed
     assert chat(server, "bob", hi()).status_code == 200
 
 
