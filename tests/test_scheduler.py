@@ -182,3 +182,29 @@ def test_prompt_logprobs_prompts_come_in_bounded_chunks():
         got = [{x.request_id: n for x, n in s.schedule().scheduled} for _ in range(3)]
         assert got[0] == {"p": C, "q": 3 * C}
         assert got[1]["p"] == C and got[2]["p"] == 5 and got[2]["q"] == 1
+
+
+def test_a_decode_with_room_in_its_blocks_copies_nothing():
+    """A decode step whose token fits the request's last block allocates nothing and keeps
+    its block list (no copy of it, nor of its token ids for hashing, per step); a block
+    filled is published once, its hash chain extended only then."""
+    kv = KVCacheManager(64, 4, True)
+    r = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert kv.allocate_slots(r, 6) and len(kv.req_blocks["r"]) == 2
+    r.num_computed_tokens = 6
+    kv.cache_blocks(r, 6)
+    assert len(r.block_hashes) == 1 and kv.num_published["r"] == 1
+    held = kv.req_blocks["r"]
+    r.output_token_ids.append(7)
+    assert kv.allocate_slots(r, 1) == [] and kv.req_blocks["r"] is held  # (7 of 8 slots)
+    r.num_computed_tokens = 7
+    kv.cache_blocks(r, 7)
+    assert len(r.block_hashes) == 1
+    r.output_token_ids.append(8)
+    assert kv.allocate_slots(r, 1) == [] and kv.req_blocks["r"] is held
+    r.num_computed_tokens = 8
+    kv.cache_blocks(r, 8)  # the second block is full: published, hashed
+    assert len(r.block_hashes) == 2 and kv.num_published["r"] == 2
+    r.output_token_ids.append(9)
+    assert len(kv.allocate_slots(r, 1)) == 1 and len(kv.req_blocks["r"]) == 3
+    kv.check_integrity()

@@ -44,6 +44,8 @@ def extend_block_hashes(request: Request, block_size: int) -> None:
 
     Only blocks of tokens whose ids are known are hashed (prompt + sampled outputs).
     """
+    if request.num_tokens // block_size <= len(request.block_hashes):
+        return  # (before the token list is built: a copy of every id per call)
     # NOTE: the salt rides on the sampling parameters: they reach every pool unchanged
     # (AddRequest, ReserveKV, migration), so no pool's wire needs a field of its own.
     chain_hashes(request.all_token_ids, request.mm_items, block_size, request.block_hashes,

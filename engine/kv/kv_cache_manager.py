@@ -62,6 +62,9 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None if the pool cannot hold them.
         """
         held = self.req_blocks.get(request.request_id, [])
+        if not new_computed_blocks and len(held) * self.block_size >= \
+                request.num_computed_tokens + num_new_tokens:
+            return []  # room in its blocks already (a decode, 15 steps in 16): no list copied
         hits = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         need_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -79,8 +82,10 @@ class KVCacheManager:
         """Publish the request's full blocks whose KV is written (up to num_computed_tokens)."""
         if not self.enable_prefix_caching:
             return
-        extend_block_hashes(request, self.block_size)
         rid = request.request_id
+        if num_computed_tokens // self.block_size <= self.num_published.get(rid, 0):
+            return  # no block filled since the last call (hashes are extended when needed)
+        extend_block_hashes(request, self.block_size)
         blocks = self.req_blocks.get(rid, [])
         n = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(self.num_published.get(rid, 0), n):
