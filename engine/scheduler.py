@@ -132,7 +132,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         shares, seats = self.shares.begin(  # (None, None: nobody is crowded out)
-            self.running, self.waiting, len(self.tenants), self._tokens_to_compute,
+            self.running, self.waiting, self.tenants, self._tokens_to_compute,
             self.max_num_batched_tokens, self.max_num_seqs)
         seated: list[Request] = []  # preempted for a seat (admission goes on this step)
         if shares is not None and seats is not None:

@@ -159,20 +159,21 @@ class TenantShares:
         self._held: str | None = None  # the tenant last held to the cap, and when
         self._held_at = float("-inf")
 
-    def begin(self, running: list[Request], waiting: deque[Request], num_tenants: int,
+    def begin(self, running: list[Request], waiting: deque[Request], tenants: Counter[str],
               tokens_to_compute: Callable[[Request], int], max_tokens: int, max_seqs: int,
               now: float | None = None) -> tuple[StepShares | None, Seats | None]:
         """A schedule's shares and seats; (None, None) while fewer than two tenants have
-        requests (or shares are off): then nothing here walks the queues. For LINGER_S
+        requests (``tenants``: unfinished requests per tenant, running or waiting; or shares
+        are off): then nothing here walks the queues. For LINGER_S
         after the others' last request ended, the tenant that was held stays held to its
         cap (``linger``)."""
         self._kind = ""
         if self.share <= 0:
             return None, None
         now = time.perf_counter() if now is None else now
-        if num_tenants < 2:
+        if len(tenants) < 2:
             return self.linger(running, now), None
-        seats = Seats(running, waiting, max_seqs) if waiting else None
+        seats = Seats(running, waiting, max_seqs, tenants) if waiting else None
         asks = demands(running, waiting, seats, tokens_to_compute, max_tokens, max_seqs)
         plan = self.plan(asks)
         if plan is not None:
@@ -250,9 +251,11 @@ def demands(running: list[Request], waiting: deque[Request], seats: Seats | None
         t = req.sampling_params.tenant or ""
         out[t] = out.get(t, 0.0) + s
     free = len(running) < max_seqs
+    if not free and (seats is None or not seats.needy):
+        return out  # no seat for any of them (a walk over a held tenant's queue saved)
     for req in waiting:
         t = tenant_of(req)
-        if free or (seats is not None and t in seats.needy):
+        if free or t in seats.needy:  # type: ignore[union-attr]
             out[t] = out.get(t, 0.0) + size(0, min(req.num_tokens, max_tokens))
     return out
 
@@ -261,9 +264,12 @@ class Seats:
     """One schedule's view of who holds the seats (``max_num_seqs``) and who waits."""
 
     def __init__(self, running: list[Request], waiting: list[Request] | deque[Request],
-                 max_seqs: int) -> None:
+                 max_seqs: int, tenants: Counter[str] | None = None) -> None:
         self.held = Counter(tenant_of(r) for r in running)
-        waiting_tenants = {tenant_of(r) for r in waiting}
+        # tenants with a request waiting: from the scheduler's count of unfinished requests
+        # per tenant when given (no walk over the waiting queue), else from the queue
+        waiting_tenants = {t for t, c in tenants.items() if c > self.held[t]} \
+            if tenants is not None else {tenant_of(r) for r in waiting}
         self.fair = max(1, max_seqs // max(1, len(set(self.held) | waiting_tenants)))
         self.full = len(running) >= max_seqs
         self.scarce = len(running) + len(waiting) > max_seqs  # not a seat for each
