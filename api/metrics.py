@@ -130,8 +130,9 @@ class Metrics:
         if t.first is None:
             t.first = now
             self._v(self.ttft).observe(now - t.arrival)
-        elif t.tokens[index]:
-            self._v(self.itl).observe(now - t.last[index])
+        elif t.tokens[index]:  # (several at once: a whole answer's, reported at its
+            # end (router/output_processor.py, quiet): their mean gap, once)
+            self._v(self.itl).observe((now - t.last[index]) / count)
         t.last[index] = now
         t.tokens[index] += count
 

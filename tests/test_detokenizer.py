@@ -137,3 +137,36 @@ def test_a_reader_of_deltas_alone_gets_plain_logprobs_kept_until_reported(tok):
         assert child.logprobs == []  # nothing kept once reported
         texts.append(c.text_delta)
     assert texts[:-1] == [""] * (len(ids) - 1) and texts[-1] == text
+
+
+def test_a_whole_answer_without_logprobs_is_reported_at_its_first_token_and_its_ends(tok):
+    """Quiet (router/output_processor.py): not streamed, deltas only, no logprobs, no stop
+    strings: an output at the first token and one each time a completion ends, carrying
+    every token since the last; nothing in between. The offline view (not deltas only)
+    and a streamed request get an output every step."""
+    from triptych.engine.outputs import EngineCoreOutput
+    from triptych.engine.sample.sampling_params import SamplingParams
+    from triptych.router.output_processor import OutputProcessor
+
+    ids = tok.encode("one two three four five six")
+    for stream, deltas_only, quiet in ((False, True, True), (False, False, False),
+                                       (True, True, False)):
+        op = OutputProcessor(tok)
+        kids = op.add("r", None, tok.encode("p"), SamplingParams(n=2, max_tokens=len(ids)),
+                      stream=stream, deltas_only=deltas_only)
+        (c0, _), (c1, _) = kids
+        got, tokens = [], {0: [], 1: []}
+        for k, t in enumerate(ids):
+            outs = [EngineCoreOutput(c0, [t], None, "length" if k == len(ids) - 1 else None)]
+            if k <= 2:  # the second completion ends at its third token
+                outs.append(EngineCoreOutput(c1, [t], None, "stop" if k == 2 else None))
+            reported, _ = op.process(outs)
+            got.append(len(reported))
+            for out in reported:
+                for c in out.outputs:
+                    tokens[c.index] += c.token_ids_delta
+        if quiet:
+            assert got == [1, 0, 1] + [0] * (len(ids) - 4) + [1], got
+        else:
+            assert got == [1] * len(ids), (stream, deltas_only, got)
+        assert tokens == {0: ids, 1: ids[:3]}
