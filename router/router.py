@@ -324,8 +324,8 @@ class Router:
     async def outputs_of(self, request_id: str, prompt: ProcessedPrompt,
                          params: SamplingParams, stream: bool = True,
                          deltas_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream a request's RequestOutputs (the offline LLM's view; see ``submit``;
-        ``stream`` and ``deltas_only`` as in ``OutputProcessor.add``)."""
+        """A request's RequestOutputs (the offline LLM's view; see ``submit``; ``stream``,
+        ``deltas_only``: ``OutputProcessor.add``'s)."""
         if self._closed or self.migration is None:
             raise EngineDeadError("the server is shutting down" if self._closed else
                                   "the router is not started")
@@ -383,11 +383,9 @@ def _delta(r: RequestOutput, with_prompt_logprobs: bool = False) -> wire.Request
     for c in r.outputs:
         if not c.token_ids_delta and not c.finished_now and not c.text_delta:
             continue  # nothing new (a finish is reported once)
-        lps = None
-        if c.logprobs_delta and c.token_ids_delta and c.logprobs is None:
-            lps = c.logprobs_delta  # (plain dicts: registered for deltas only)
-        elif c.logprobs_delta and c.token_ids_delta:  # (this output's own: c.logprobs grows)
-            lps = [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs_delta]
+        lps = (c.logprobs_delta or None) if c.token_ids_delta else None  # (plain dicts, or
+        if lps and c.logprobs is not None:  # Logprobs where not registered for deltas only)
+            lps = [{t: lp.logprob for t, lp in d.items()} for d in lps]
         comps.append(wire.CompletionDelta(c.index, c.text_delta, c.token_ids_delta,
                                           c.finish_reason, c.stop_reason, lps))
     plps = None
