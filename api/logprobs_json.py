@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from triptych.router.detokenizer import tokenizer_memo
+
 # tokenizer -> (tokens as ids?) -> {id: (head, tail)}: the JSON around an alternative's logprob
 _PIECES: weakref.WeakKeyDictionary[Any, dict[bool, dict[int, tuple[str, str]]]] = \
     weakref.WeakKeyDictionary()
@@ -35,13 +37,7 @@ class ItemPieces:
 
     def __init__(self, tokenizer: Any, tokens_as_ids: bool, name: Callable[[int], str]) -> None:
         self.name = name
-        try:
-            by_mode = _PIECES.get(tokenizer)
-            if by_mode is None:
-                by_mode = _PIECES.setdefault(tokenizer, {})
-            self.pieces = by_mode.setdefault(tokens_as_ids, {})
-        except TypeError:  # (a tokenizer that takes no weak reference)
-            self.pieces = {}
+        self.pieces = tokenizer_memo(_PIECES, tokenizer).setdefault(tokens_as_ids, {})
 
     def _of(self, tid: int) -> tuple[str, str]:
         p = self.pieces.get(tid)

@@ -162,11 +162,10 @@ class TenantShares:
     def begin(self, running: list[Request], waiting: deque[Request], tenants: Counter[str],
               tokens_to_compute: Callable[[Request], int], max_tokens: int, max_seqs: int,
               now: float | None = None) -> tuple[StepShares | None, Seats | None]:
-        """A schedule's shares and seats; (None, None) while fewer than two tenants have
-        requests (``tenants``: unfinished requests per tenant, running or waiting; or shares
-        are off): then nothing here walks the queues. For LINGER_S
-        after the others' last request ended, the tenant that was held stays held to its
-        cap (``linger``)."""
+        """A schedule's shares and seats (``tenants``: unfinished requests per tenant,
+        running or waiting); (None, None) while fewer than two tenants have requests, or
+        shares are off: then nothing here walks the queues. For LINGER_S after the others'
+        last request ended, the tenant that was held stays held to its cap (``linger``)."""
         self._kind = ""
         if self.share <= 0:
             return None, None

@@ -16,17 +16,22 @@ from typing import Any
 _TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
-def token_texts(tokenizer: Any) -> dict[int, str]:
-    """The tokenizer's {token id: its text} memo (filled by ``token_text``). Look it up once
-    per request or step: a WeakKeyDictionary lookup makes a weak reference each time, and
-    per alternative it was ~8% of P0's loop under n=16 x top_logprobs=20."""
+def tokenizer_memo(store: weakref.WeakKeyDictionary, tokenizer: Any) -> dict:
+    """The dict ``store`` keeps for ``tokenizer`` (made empty the first time). Look it up
+    once per request or step, not per token: a WeakKeyDictionary lookup makes a weak
+    reference each time (per alternative, ~8% of P0's loop under n=16 x top_logprobs=20)."""
     try:
-        texts = _TOKEN_TEXTS.get(tokenizer)
-        if texts is None:
-            texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
+        memo = store.get(tokenizer)
+        if memo is None:
+            memo = store.setdefault(tokenizer, {})
     except TypeError:  # (a tokenizer that takes no weak reference: a memo of this call's)
-        texts = {}
-    return texts
+        memo = {}
+    return memo
+
+
+def token_texts(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's {token id: its text} memo (filled by ``token_text``)."""
+    return tokenizer_memo(_TOKEN_TEXTS, tokenizer)
 
 
 def token_text(tokenizer: Any, tid: int, texts: dict[int, str] | None = None) -> str:
