@@ -48,8 +48,8 @@ class RequestStatus(enum.IntEnum):
         return {3: "stop", 4: "length", 5: "abort", 6: "error", 7: "handoff"}.get(int(self))
 
 
-@dataclass
-class Request:
+@dataclass(eq=False)  # one request is one object: ``in`` and ``remove`` on the scheduler's
+class Request:       # queues compare identities (field by field: ~1 us per request passed)
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -81,6 +81,8 @@ class Request:
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
     last_scheduled_step: int = 0  # the scheduler's step that last ran it (tenant shares:
     # a tenant's sequences take turns, the least recently served first)
+    turn_steps: int = 0  # steps run in its current turn (tenant shares, turns_taken)
+    turn_rank: int = 0  # its place in its tenant's turn order (lowest first)
 
     def __post_init__(self) -> None:
         if isinstance(self.mrope_positions, torch.Tensor):

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from triptych.engine.kv.kv_cache_manager import KVCacheManager
 from triptych.engine.request import Request, RequestStatus
-from triptych.engine.tenant_share import Seats, StepShares, TenantShares, tenant_of, turn_order
+from triptych.engine.tenant_share import (Seats, StepShares, TenantShares, tenant_of,
+                                          took_turn)
 
 logger = logging.getLogger("triptych.scheduler")
 
@@ -141,16 +142,14 @@ class Scheduler:
                                       "(max_num_seqs) while another tenant waits")
                 seated.append(victim)
         # Decodes first, then running prefill chunks, each in admission order (with tenant
-        # shares: a tenant's sequences take turns, tenant_share.turn_order).
+        # shares: tenant by tenant, in turns, none of a tenant that took its share).
         order = sorted(self.running, key=lambda r: r.num_computed_tokens < r.num_prompt_tokens) \
-            if shares is None else sorted(self.running, key=turn_order(self.num_steps))
+            if shares is None else shares.order(self.running)
         for req in order:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if shares is not None and shares.held(req):
-                continue  # its tenant has its share of this step
             n = min(self._tokens_to_compute(req), budget)
             if n > 0 and shares is not None:
                 n = shares.take(req, n, req.num_computed_tokens, self.enable_chunked_prefill)
@@ -183,6 +182,7 @@ class Scheduler:
         for req, n in scheduled:  # (vLLM's _update_after_schedule)
             req.last_scheduled_step = self.num_steps
             req.num_computed_tokens += n
+            took_turn(req, self.num_steps)  # (its tenant's turn order: tenant_share.py)
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # this step samples its next token
                 out.sampling.add(req.request_id)

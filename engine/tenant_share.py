@@ -13,7 +13,7 @@ plus the context they attend) is held to a cap:
 measured, not modelled: one step in EXPLORE_EVERY runs without the busiest tenant (the
 others' step alone), the rest with it under the cap; the cap shrinks while the steps
 with it run over the bound and grows back while they run under it. A tenant held to
-its cap has its sequences take turns (a few steps each, ``turn_order``) and its prompt
+its cap has its sequences take turns (a few steps each, ``took_turn``) and its prompt
 chunks cut to fit; it runs at least one sequence a step but in those it sits out, so
 nobody stalls. No tenant is held below what the busiest other tenant asks, so tenants
 that ask alike share steps as before; a tenant alone keeps the whole step. The busiest
@@ -36,9 +36,11 @@ seat for a whole generation while another's one-line chat waits.
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
 
 from triptych.engine.request import Request
 
@@ -49,7 +51,7 @@ MAX_STRETCH = 8  # while its steps cost the others little, it sits out less: dow
 # step in EXPLORE_EVERY x this (a GPU, where one more sequence costs a step almost nothing)
 SHRINK, GROW = 0.8, 1.05  # the cap's steps down (over the bound) and up (under it)
 CTX_PER_TOKEN = 1024  # context tokens attended that weigh as much as one token computed
-TURN_STEPS = 8  # a sequence held back this many steps goes before those that ran
+TURN_STEPS = 8  # steps a held tenant's sequence runs before the next takes its turn
 LINGER_S = 0.05  # the busiest stays held this long after the others' last request ended
 
 
@@ -57,17 +59,24 @@ def tenant_of(req: Request) -> str:
     return req.sampling_params.tenant or ""
 
 
-def turn_order(step: int) -> Callable[[Request], tuple[bool, bool, bool, int]]:
-    """Sort key of running sequences under shares: decodes before prompt chunks; then
-    those held back TURN_STEPS steps or more (the longest held first), then those that
-    ran the last step, then the rest. Turns change every few steps, not every step: a
-    sequence rejoining the batch rewrites its row (~20 us each on a CPU), so a tenant
-    held to a few of its 127 sequences must not swap them all each step."""
-    def key(req: Request) -> tuple[bool, bool, bool, int]:
-        last = req.last_scheduled_step
-        return (req.num_computed_tokens < len(req.prompt_token_ids),
-                step - last < TURN_STEPS, step - last > 1, last)
-    return key
+PREFILL_RANK = 1 << 60  # added to a rank: prompt chunks after decodes
+ON_TURN = -1  # the rank of a sequence whose turn is not over
+
+
+def took_turn(req: Request, step: int) -> None:
+    """After ``req`` was scheduled in ``step``: its turn order for the next schedules.
+    A tenant held to a few of its sequences runs the same ones for TURN_STEPS steps (a
+    sequence on its turn goes first, even after a step it sat out), then the longest
+    held ones take theirs: a sequence rejoining the batch rewrites its row (~20 us on a
+    CPU), so turns do not change every step. Kept on the request, so that ordering a
+    tenant's 128 sequences is one C-level sort (``attrgetter``), not 128 key calls."""
+    req.turn_steps = 1 if req.turn_steps >= TURN_STEPS else req.turn_steps + 1
+    rank = ON_TURN if req.turn_steps < TURN_STEPS else step
+    req.turn_rank = rank + PREFILL_RANK \
+        if req.num_computed_tokens < len(req.prompt_token_ids) else rank
+
+
+RANK = attrgetter("turn_rank")
 
 
 def attended(ctx: int, n: int) -> int:
@@ -83,8 +92,10 @@ def size(ctx: int, n: int) -> float:
 class StepShares:
     """One schedule's accounting: what each tenant may still take this step."""
 
-    def __init__(self, caps: dict[str, float]) -> None:
+    def __init__(self, caps: dict[str, float],
+                 groups: dict[str, list[Request]] | None = None) -> None:
         self.caps = caps  # tenant -> size it may take (< 0: it sits this step out)
+        self.groups = groups  # tenant -> its running sequences (``survey``'s), if known
         self.used: dict[str, float] = {}  # tenant -> size scheduled this step
         self.done = {t for t, c in caps.items() if c < 0}  # tenants that took their share
         # of this step (or sit it out)
@@ -116,6 +127,25 @@ class StepShares:
         elif cap < 0:
             self.done.add(tenant)
         return n
+
+    def order(self, running: list[Request]) -> Iterator[Request]:
+        """The running sequences in this step's order: decodes first, then prompt chunks;
+        each tenant's in its turn order (``took_turn``). A tenant that took its share of
+        the step (or sits it out) is passed over whole: the rest of its sequences count
+        as deferred, none is looked at (a held tenant's 127 others cost nothing)."""
+        groups = self.groups if self.groups is not None else survey(running, None, 0)[1]
+        parts = []
+        for t, g in groups.items():
+            g = sorted(g, key=RANK)
+            parts.append((t, g, bisect_left(g, PREFILL_RANK, key=RANK)))
+        for prefill in (False, True):
+            for t, g, k in parts:
+                lo, hi = (k, len(g)) if prefill else (0, k)
+                for i in range(lo, hi):
+                    if t in self.done:
+                        self.deferred += hi - i
+                        break
+                    yield g[i]
 
     def held(self, req: Request) -> bool:
         """Whether ``req``'s tenant has taken its share of this step already (its other
@@ -172,10 +202,13 @@ class TenantShares:
         now = time.perf_counter() if now is None else now
         if len(tenants) < 2:
             return self.linger(running, now), None
-        seats = Seats(running, waiting, max_seqs, tenants) if waiting else None
-        asks = demands(running, waiting, seats, tokens_to_compute, max_tokens, max_seqs)
-        plan = self.plan(asks)
+        asks, groups = survey(running, tokens_to_compute, max_tokens)
+        seats = Seats(running, waiting, max_seqs, tenants,
+                      Counter({t: len(g) for t, g in groups.items()})) if waiting else None
+        plan = self.plan(add_waiting(asks, waiting, seats, len(running) < max_seqs,
+                                     max_tokens))
         if plan is not None:
+            plan.groups = groups
             self._held_at = now
         return plan, seats
 
@@ -232,13 +265,21 @@ class TenantShares:
         self._last = (now, self._kind) if self._kind else None
 
 
-def demands(running: list[Request], waiting: deque[Request], seats: Seats | None,
-            tokens_to_compute: Callable[[Request], int], max_tokens: int, max_seqs: int
-            ) -> dict[str, float]:
-    """Tenant -> the size of what it would run now: its running sequences' tokens to
-    compute, its waiting ones that can get a seat."""
+def survey(running: list[Request], tokens_to_compute: Callable[[Request], int] | None,
+           max_tokens: int) -> tuple[dict[str, float], dict[str, list[Request]]]:
+    """One walk over the running sequences: tenant -> the size of what its running ones
+    would compute now (tenants with something to compute; none without
+    ``tokens_to_compute``), and tenant -> its running sequences (in running order)."""
     out: dict[str, float] = {}
+    groups: dict[str, list[Request]] = {}
     for req in running:
+        t = req.sampling_params.tenant or ""
+        g = groups.get(t)
+        if g is None:
+            g = groups[t] = []
+        g.append(req)
+        if tokens_to_compute is None:
+            continue
         c = req.num_computed_tokens
         if c < len(req.prompt_token_ids) or req.num_output_placeholders:
             n = min(tokens_to_compute(req), max_tokens)
@@ -247,24 +288,31 @@ def demands(running: list[Request], waiting: deque[Request], seats: Seats | None
             s = size(c, n)
         else:  # a decode without a token in flight: one token (inlined: per sequence)
             s = 1 + (c + 1) / CTX_PER_TOKEN
-        t = req.sampling_params.tenant or ""
         out[t] = out.get(t, 0.0) + s
-    free = len(running) < max_seqs
+    return out, groups
+
+
+def add_waiting(asks: dict[str, float], waiting: deque[Request], seats: Seats | None,
+                free: bool, max_tokens: int) -> dict[str, float]:
+    """``asks`` (``survey``'s) with the waiting requests that can get a seat: all of them
+    while a seat is ``free``, else those of tenants under their part of the seats."""
     if not free and (seats is None or not seats.needy):
-        return out  # no seat for any of them (a walk over a held tenant's queue saved)
+        return asks  # no seat for any of them (a walk over a held tenant's queue saved)
     for req in waiting:
         t = tenant_of(req)
         if free or t in seats.needy:  # type: ignore[union-attr]
-            out[t] = out.get(t, 0.0) + size(0, min(req.num_tokens, max_tokens))
-    return out
+            asks[t] = asks.get(t, 0.0) + size(0, min(req.num_tokens, max_tokens))
+    return asks
 
 
 class Seats:
     """One schedule's view of who holds the seats (``max_num_seqs``) and who waits."""
 
     def __init__(self, running: list[Request], waiting: list[Request] | deque[Request],
-                 max_seqs: int, tenants: Counter[str] | None = None) -> None:
-        self.held = Counter(tenant_of(r) for r in running)
+                 max_seqs: int, tenants: Counter[str] | None = None,
+                 held: Counter[str] | None = None) -> None:
+        # running sequences per tenant (``held``: counted already, else counted here)
+        self.held = held if held is not None else Counter(tenant_of(r) for r in running)
         # tenants with a request waiting: from the scheduler's count of unfinished requests
         # per tenant when given (no walk over the waiting queue), else from the queue
         waiting_tenants = {t for t, c in tenants.items() if c > self.held[t]} \

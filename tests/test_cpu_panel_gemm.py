@@ -122,3 +122,88 @@ def test_cpu_gemm_argmax_is_the_argmax_of_its_output():
     gemm = CpuGemm(torch.randn(500, 64, generator=g), None, "float32")
     h = torch.randn(4, 64, generator=g)
     assert torch.equal(gemm.argmax(h), gemm(h).argmax(-1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=ids(VARIANTS))
+def test_draw_equals_the_samplers_torch_draw(variant):
+    """The sampler's one-call draw of plain random rows (engine: CPU steps whose random rows
+    ask a temperature only) picks the token the torch ops pick at the same uniform: the
+    inverse CDF of softmax(logits / T). A masked (-inf) token is never drawn, even at a
+    uniform that lands on it; a row with a NaN, a +inf or nothing but -inf keeps the id
+    it had (the argmax); only the listed rows change."""
+    from triptych.engine.sample.sampler import Sampler, SamplingTensors
+
+    g = torch.Generator().manual_seed(5)
+    sampler = Sampler()
+    for s_rows, v in [(1, 272), (6, 272), (3, 17), (2, 1), (4, 1000)]:
+        logits = torch.randn(s_rows, v, generator=g) * 3
+        rows = torch.arange(s_rows - 1, -1, -2)  # every other row, last first
+        temp = torch.rand(len(rows), generator=g) + 0.3
+        for _ in range(20):
+            u = torch.rand(len(rows), generator=g, dtype=torch.float64)
+            st = SamplingTensors(greedy=False, random_rows=rows, temperature=temp)
+            sampler._uniforms = lambda st_, dev, u=u: u[:, None].clone()
+            want = sampler._draw(logits[rows], st)
+            ids = torch.full((s_rows,), -7, dtype=torch.long)
+            got = cpu_panel_gemm.draw(logits, rows, temp, u, ids, variant)
+            assert torch.equal(got[rows], want), (s_rows, v, got, want)
+            others = torch.ones(s_rows, dtype=torch.bool)
+            others[rows] = False
+            assert (got[others] == -7).all()
+    masked = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]])
+    one = torch.tensor([0])
+    for u in (0.0, 0.4999, 0.5, 0.9999999):
+        got = cpu_panel_gemm.draw(masked, one, torch.tensor([1.0]),
+                                  torch.tensor([u], dtype=torch.float64),
+                                  torch.tensor([9]), variant)
+        assert int(got[0]) == (0 if u < 0.5 else 2), u
+    for bad in (float("nan"), float("inf")):
+        row = torch.tensor([[0.0, bad, 1.0]])
+        got = cpu_panel_gemm.draw(row, one, torch.tensor([1.0]),
+                                  torch.tensor([0.3], dtype=torch.float64),
+                                  torch.tensor([1]), variant)
+        assert int(got[0]) == 1
+    gone = torch.full((1, 5), float("-inf"))
+    assert int(cpu_panel_gemm.draw(gone, one, torch.tensor([1.0]),
+                                   torch.tensor([0.3], dtype=torch.float64),
+                                   torch.tensor([4]), variant)[0]) == 4
+
+
+def test_the_cpu_sampler_draws_with_it_as_with_torch():
+    """``Sampler`` with the platform's draw (as the CPU runner builds it): seeded requests
+    draw the same tokens as with torch's ops and whatever their batch-mates; the draws
+    follow the distribution; rows asking top-k keep the torch path (the draw is not
+    asked)."""
+    from triptych.engine.device.platform import cpu_draw
+    from triptych.engine.sample.sampler import Sampler
+    from triptych.engine.sample.sampling_params import SamplingParams
+
+    calls = []
+
+    def counting(*a):
+        calls.append(1)
+        return cpu_draw(*a)
+
+    logits = torch.randn(1, 272, generator=torch.Generator().manual_seed(1))
+    sp = SamplingParams(temperature=0.8, seed=1234)
+    plain = Sampler(seed=4)
+    fast = Sampler(seed=9, draw=counting)
+    mate = SamplingParams(temperature=1.0)
+    a = [plain(logits, ["x"], [sp]).token_ids[0] for _ in range(30)]
+    b = [fast(torch.cat([torch.randn(1, 272), logits]), ["y", "x"], [mate, sp]).token_ids[1]
+         for _ in range(30)]
+    assert a == b and len(set(a)) > 3 and len(calls) == 30
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    ids = fast(torch.log(p).repeat(2000, 1), [f"r{i}" for i in range(2000)],
+               [SamplingParams(temperature=1.0)] * 2000).token_ids  # (past the C++ size:
+    counts = torch.bincount(torch.tensor(ids), minlength=4).double()  # torch's; and below)
+    chi2 = float(((counts - 2000 * p.double()) ** 2 / (2000 * p.double())).sum())
+    assert chi2 < 16.27, counts.tolist()
+    small = [fast(torch.log(p)[None], ["s"], [SamplingParams(temperature=1.0)]).token_ids[0]
+             for _ in range(2000)]
+    counts = torch.bincount(torch.tensor(small), minlength=4).double()
+    chi2 = float(((counts - 2000 * p.double()) ** 2 / (2000 * p.double())).sum())
+    assert chi2 < 16.27, counts.tolist()
+    n = len(calls)
+    fast(logits, ["k"], [SamplingParams(temperature=1.0, top_k=3)])
+    assert len(calls) == n

@@ -68,6 +68,38 @@ def test_the_busiest_tenant_takes_turns_and_the_other_runs_every_step():
     s.kv.check_integrity()
 
 
+def test_a_held_tenants_turns_last_turn_steps_and_survive_a_step_sat_out():
+    """Held to one sequence a step, alice's six run in turns of TURN_STEPS steps each (the
+    same sequence step after step, then the longest held: a row rejoining the batch is a
+    rewrite, so turns do not change every step), through the steps she sits out (one in
+    a few here: a turn is counted in the steps run, not cut short by a rest)."""
+    s = make(budget=1024, cap=1.0, explore=2)
+    for i in range(6):
+        s.add_request(req(f"a{i}", "alice", n=100, max_tokens=120))  # (each a little more
+    step(s)  # than bob's one: one of hers fills her cap)
+    s.add_request(req("b", "bob", max_tokens=120))
+    step(s)  # (bob's prompt: alice runs up to its size)
+    runs: list[str] = []
+    for _ in range(12 * tenant_share.TURN_STEPS):
+        got = step(s)
+        assert "b" in got
+        alice = [r for r in got if r.startswith("a")]
+        assert len(alice) <= 1, got
+        runs += alice
+    turns = [runs[0]]
+    lengths = [0]
+    for r in runs:
+        if r != turns[-1]:
+            turns.append(r)
+            lengths.append(0)
+        lengths[-1] += 1
+    # (the first six turns began in the steps before: alice alone, bob's prompt)
+    assert len(turns) >= 8 and all(n == tenant_share.TURN_STEPS for n in lengths[6:-1]), \
+        (turns, lengths)
+    assert set(turns) == {f"a{i}" for i in range(6)}  # each had its turn
+    s.kv.check_integrity()
+
+
 def test_a_tenant_alone_or_tenants_asking_alike_keep_whole_steps():
     s = make(cap=1.0)
     for i in range(4):

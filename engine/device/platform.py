@@ -1,6 +1,7 @@
 """What a device uses, decided in one place.
 
     device   attention kernels       linear layers            sampler's argmax   host policies
+                                                              and random draws
     cpu      cpu (C++ decode + fused  packed (oneDNN / fbgemm,  C++ (panel_gemm)   threads +
              ops) or torch           GEMV, panel GEMM)                            allocator
     cuda     triton (or torch)       F.linear in the model's  torch, on device   none
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from triptych.config import EngineConfig
 from triptych.engine.device import cpu_features
-from triptych.engine.sample.sampler import Argmax, torch_argmax
+from triptych.engine.sample.sampler import Argmax, Draw, torch_argmax
 
 if TYPE_CHECKING:
     from triptych.kernels.cpu.isa import CpuKernels
@@ -80,6 +81,12 @@ def sampler_argmax(device: torch.device) -> Argmax:
     """The sampler's argmax: on the CPU the C++ one (one pass, threads by size), else
     torch's on the device."""
     return cpu_argmax if device.type == "cpu" else torch_argmax
+
+
+def sampler_draw(device: torch.device) -> Draw | None:
+    """The sampler's one-call draw of rows with a temperature only: the C++ one on the
+    CPU (``cpu_draw``), else None (torch's ops on the device)."""
+    return cpu_draw if device.type == "cpu" else None
 
 
 def applies_host_policies(device: str | torch.device) -> bool:
@@ -192,3 +199,22 @@ def cpu_argmax(logits: torch.Tensor) -> torch.Tensor:
             logits.dtype == torch.float32 and panel_gemm.loaded():
         return panel_gemm.argmax(logits)
     return logits.argmax(dim=-1)
+
+
+DRAW_MAX_ELEMENTS = 8192  # random rows x vocabulary drawn by the C++ call at most: beyond,
+# torch's vectorised softmax and cumsum are as fast (2-core EPYC: 16 rows x 272 or one row
+# x 4,096 broke even; one row x 272, the demo's, 4.5 us against 13.7 us of ~13 torch ops)
+
+
+def cpu_draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+             u: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """The random rows of a step drawn in one C++ call (kernels/cpu/panel_gemm.py), for
+    contiguous fp32 host logits, rows x vocabulary up to DRAW_MAX_ELEMENTS; None otherwise
+    (the sampler's torch ops). The same inverse-CDF draw at the same uniforms as those."""
+    from triptych.kernels.cpu import panel_gemm
+
+    if logits.dim() == 2 and logits.is_contiguous() and logits.dtype == torch.float32 and \
+            0 < rows.numel() * logits.shape[1] <= DRAW_MAX_ELEMENTS and \
+            ids.is_contiguous() and panel_gemm.loaded():
+        return panel_gemm.draw(logits, rows, temperature, u, ids)
+    return None

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from triptych.engine.device.cuda_graphs import CudaGraphRunner
 from triptych.engine.device.device_io import HostFetch, StepStaging, to_device, to_host
-from triptych.engine.device.platform import sampler_argmax
+from triptych.engine.device.platform import sampler_argmax, sampler_draw
 from triptych.engine.encoder.encoder_runner import EncoderRunner
 from triptych.engine.request import MMItem
 from triptych.engine.runner.batch_sync import sync_batch
@@ -88,7 +88,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: CudaGraphRunner | None = None  # decode steps as CUDA graphs
         self.allocate_kv_cache(num_blocks)
-        self.sampler = Sampler(seed, argmax or sampler_argmax(device))
+        self.sampler = Sampler(seed, argmax or sampler_argmax(device), sampler_draw(device))
         # the logits' width (every rank's slices together): the checkpoint's text vocab
         self.vocab_size = vocab_size or _text_config(model).vocab_size
         self.staging = StepStaging(device)  # one host -> device copy per step

@@ -10,10 +10,11 @@ vLLM's order:
 
     logits --logit_bias--> --penalties (engine/sample/penalties.py)--> --grammar mask-->
         greedy rows: argmax                 (the platform's: a C++ one on the CPU)
-        random rows: / temperature, min-p, top-k, top-p, then one draw per row:
-                     argmax(probs / q), q ~ Exp(1)  (the exponential race = a categorical
-                     draw; a seeded request draws its q from its own generator, so its
-                     tokens do not depend on its batch-mates)
+        random rows: / temperature, min-p, top-k, top-p, then one draw per row: the
+                     inverse CDF at a uniform u (a seeded request draws its u from its
+                     own generator, so its tokens do not depend on its batch-mates); rows
+                     with a temperature only, on the CPU: the platform's ``draw``, one
+                     C++ call for all of them (kernels/cpu/panel_gemm.py)
 
 Logprobs are those of the model's logits as given (after a grammar mask, before bias and
 penalties: vLLM's default is the raw logits), top-k per row plus the sampled token, as
@@ -30,6 +31,11 @@ from triptych.engine.sample.penalties import PenaltyState, PenaltyTensors, apply
 from triptych.engine.sample.sampling_params import SamplingParams
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N] int64
+# (logits [S, V], rows [R], temperature [R], u [R] fp64, ids [S]) -> ids with the rows drawn
+# in place, or None where it does not apply: the platform's one-call draw of plain random
+# rows (the torch ops of ``_draw`` otherwise)
+Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                torch.Tensor | None]
 
 
 @dataclass
@@ -66,9 +72,11 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, argmax: Argmax = torch_argmax) -> None:
+    def __init__(self, seed: int = 0, argmax: Argmax = torch_argmax,
+                 draw: Draw | None = None) -> None:
         self.seed = seed
         self.argmax = argmax  # the platform's (engine/device/platform.py)
+        self.draw = draw  # the platform's, for rows with a temperature only (or None)
         self._defaults: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
 
@@ -106,7 +114,14 @@ class Sampler:
             x = apply_penalties(x, st.penalties)
         ids = self.argmax(x)
         if not st.greedy and st.random_rows is not None and st.random_rows.numel():
-            ids = ids.index_copy(0, st.random_rows, self._draw(x[st.random_rows], st))
+            drawn = None
+            if self.draw is not None and st.min_p is None and st.top_k is None and \
+                    st.top_p is None:
+                assert st.temperature is not None
+                drawn = self.draw(x, st.random_rows, st.temperature,
+                                  self._uniforms(st, x.device)[:, 0], ids)
+            ids = drawn if drawn is not None else \
+                ids.index_copy(0, st.random_rows, self._draw(x[st.random_rows], st))
         lp = None
         if st.logprob_rows is not None and st.logprob_k >= 0:
             full = torch.log_softmax(logits[st.logprob_rows], dim=-1)
@@ -138,13 +153,20 @@ class Sampler:
         # this. The cumulative sum is float64, so tokens far below fp32's resolution near 1
         # keep their share; a zero-probability token (filtered) is never drawn: searchsorted
         # lands past flat runs.
-        u = torch.rand(probs.shape[0], 1, generator=self._default(x.device), device=x.device,
-                       dtype=torch.float64)
-        for i, gen in st.seeded or ():
-            u[i] = torch.rand(1, generator=gen, device=x.device, dtype=torch.float64)
+        u = self._uniforms(st, x.device)
         cdf = probs.to(torch.float64).cumsum_(dim=-1)
         ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
         return ids.clamp_(max=probs.shape[-1] - 1)
+
+    def _uniforms(self, st: SamplingTensors, device: torch.device) -> torch.Tensor:
+        """[R, 1] fp64: one uniform per random row, a seeded request's from its own
+        generator (so its draws do not depend on its batch-mates)."""
+        assert st.random_rows is not None
+        u = torch.rand(st.random_rows.shape[0], 1, generator=self._default(device),
+                       device=device, dtype=torch.float64)
+        for i, gen in st.seeded or ():
+            u[i] = torch.rand(1, generator=gen, device=device, dtype=torch.float64)
+        return u
 
     # -- the host convenience (tests, and callers outside the runner) --------------------
     def __call__(self, logits: torch.Tensor, request_ids: list[str],

@@ -8,7 +8,8 @@ products, x rounded to bf16 as oneDNN's bf16 path does), AVX2 6 x 16 (bf16 weigh
 in registers, x in fp32), fp32 out. ``kernels/cpu_linear.CpuGemm`` uses it where the
 platform chose panels for a format (``isa.CpuKernels.batched``: fp32 wherever AVX2 runs,
 bf16 where oneDNN's bf16 does not; docs/performance.md, "Batch 32" and "AVX2-only CPUs").
-``argmax(logits)`` is the sampler's greedy fast path (engine/sample/sampler.py).
+``argmax(logits)`` is the sampler's greedy fast path and ``draw`` its random rows' one
+call (engine/sample/sampler.py).
 
 Built on first use by ``cpu_build`` (one copy per instruction set, ``isa.py``); without a
 compiler the libraries run. ``TRIPTYCH_CPU_PANEL_GEMM=0`` (env, read when a layer is packed)
@@ -80,6 +81,16 @@ def gemm_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     (fp32 panels): greedy tokens straight from the LM head."""
     return torch.ops.triptych_panel.gemm_argmax(x, panels, n, bias, threads,
                                                 variant_id() if variant is None else variant)
+
+
+def draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+         u: torch.Tensor, ids: torch.Tensor, variant: int | None = None) -> torch.Tensor:
+    """``ids`` with each of ``rows`` drawn from softmax(logits[row] / temperature) at its
+    uniform ``u`` (the inverse CDF, fp64), in place: the sampler's plain random rows."""
+    threads = max(1, min(torch.get_num_threads(), logits.numel() // ARGMAX_MIN_ELEMENTS))
+    torch.ops.triptych_panel.draw(logits, rows, temperature, u, ids, threads,
+                                  variant_id() if variant is None else variant)
+    return ids
 
 
 def argmax(logits: torch.Tensor, variant: int | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@
 //   avx2     the same in 8-lane vectors for head sizes that are a multiple of 8
 //   generic  (and other head sizes) `omp simd` loops the compiler vectorises
 // bf16 / fp16 rows are widened to fp32 in registers.
+#include "../exp_neg.h"
 #include "../simd.h"
 #include "kernels.h"
 
@@ -51,26 +52,6 @@ template <typename Fmt>
 inline void axpy(float* acc, float p, const typename Fmt::T* v, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += p * Fmt::get(v[i]);
-}
-
-// e^x for x <= 0 in a form the compiler vectorises (a libm call stays scalar):
-// e^x = 2^k * 2^f with k = round(x / ln 2), |f| <= 1/2, 2^f by its degree-7 Taylor series
-// (relative error < 1e-8, under fp32's epsilon). x below -87 (and -inf) gives ~1e-38, not 0:
-// weights that small vanish in every sum they join.
-inline float exp_neg(float x) {
-  x = fmax_(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float k = __builtin_floorf(t + 0.5f);
-  const float f = (t - k) * 0.693147180559945309f;  // f in [-ln2/2, ln2/2]
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  return p * bits_to_f(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
 }
 
 // The vector paths, one policy struct per register width. An AVX-512 copy has both: the

@@ -13,6 +13,7 @@
 // with vdpbf16ps, as oneDNN's bf16 path does; the others widen the weight in registers
 // (a 32-bit lane holds two k: << 16 gives the even one, the high half the odd one) and
 // multiply x in fp32, so the 16-bit weight costs no extra rounding of x.
+#include "../exp_neg.h"
 #include "../simd.h"
 #include "kernels.h"
 
@@ -459,21 +460,30 @@ int64_t row_argmax_plain(const float* r, int64_t V) {
 }
 #endif
 
+// (every variant: the loop the compiler vectorises with its own -m flags)
+void row_weights(const float* r, int64_t V, float top, float inv, float* w) {
+#pragma omp simd
+  for (int64_t i = 0; i < V; ++i)
+    w[i] = r[i] == -__builtin_inff() ? 0.0f : exp_neg((r[i] - top) * inv);
+}
+
 }  // namespace
 
 namespace triptych {
 #if defined(TRIPTYCH_PANEL_AVX512)
 extern const PanelKernels TRIPTYCH_TABLE(panel) = {
 #if defined(TRIPTYCH_PANEL_BF16)
-    NP, NP, true, f32_avx512, bf16_dot, f32_argmax_avx512, row_argmax_avx512};
+    NP, NP, true, f32_avx512, bf16_dot, f32_argmax_avx512, row_argmax_avx512,
+    row_weights};
 #else
-    NP, 1, false, f32_avx512, bf16_avx2, f32_argmax_avx512, row_argmax_avx512};
+    NP, 1, false, f32_avx512, bf16_avx2, f32_argmax_avx512, row_argmax_avx512,
+    row_weights};
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 extern const PanelKernels TRIPTYCH_TABLE(panel) = {
-    1, 1, false, f32_avx2, bf16_avx2, f32_argmax_tiles, row_argmax_plain};
+    1, 1, false, f32_avx2, bf16_avx2, f32_argmax_tiles, row_argmax_plain, row_weights};
 #else
 extern const PanelKernels TRIPTYCH_TABLE(panel) = {
-    1, 1, false, f32_generic, bf16_generic, f32_argmax_tiles, row_argmax_plain};
+    1, 1, false, f32_generic, bf16_generic, f32_argmax_tiles, row_argmax_plain, row_weights};
 #endif
 }  // namespace triptych

@@ -31,6 +31,9 @@ struct PanelKernels {
                      float* best_v, int64_t* best_i);
   // the first index of r[0, V)'s largest value, a NaN winning
   int64_t (*row_argmax)(const float* r, int64_t V);
+  // w[i] = e^((r[i] - top) * inv) for r[0, V) (r[i] <= top), exactly 0 where r[i] is -inf:
+  // a sampler row's unnormalised probabilities (op.cpp's draw)
+  void (*row_weights)(const float* r, int64_t V, float top, float inv, float* w);
 };
 
 extern const PanelKernels panel_v0, panel_v1, panel_v2, panel_v3;

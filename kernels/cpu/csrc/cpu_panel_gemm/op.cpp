@@ -1,5 +1,6 @@
-// Batched CPU GEMM on a panel-packed weight, and a row argmax, as torch ops. Registered as
-// torch.ops.triptych_panel.{variants, pack, gemm, gemm_argmax, argmax}; built on first use
+// Batched CPU GEMM on a panel-packed weight, a row argmax and a row draw, as torch ops.
+// Registered as torch.ops.triptych_panel.{variants, pack, gemm, gemm_argmax, argmax, draw};
+// built on first use
 // by kernels/cpu/build.py with one copy of kernels.cpp per instruction-set variant; every
 // call but pack names the variant (kernels/cpu/isa.py, chosen by engine/device/platform.py).
 //
@@ -13,6 +14,13 @@
 //       without the [M, N] logits: greedy tokens straight from the LM head.
 //   argmax(logits [M, V] fp32, threads, variant) -> [M] int64: the first index of each row's
 //       largest value (a NaN counts as largest, as torch.argmax); rows split over threads.
+//   draw(logits [S, V] fp32, rows [R] int64, temperature [R] fp32, u [R] fp64, ids [S]
+//       int64, threads, variant): for each row r = rows[j], ids[r] = the token of the inverse CDF of
+//       softmax(logits[r] / temperature[j]) at u[j] (the first token whose cumulative
+//       probability, in fp64, exceeds u[j] x the total: a zero-probability token is never
+//       drawn), written in place. A row that has no finite distribution (a NaN, +inf, or
+//       every logit -inf) keeps its ids entry (the caller's argmax). The sampler's plain
+//       random rows on the CPU in one call instead of ~13 small torch ops (sampler.py).
 //
 // Why (docs/performance.md, "Batch 32"): at 32 rows the bench LM's step is FLOPs, and
 // oneDNN's fp32 inner product on its own blocked weight ran the 152k x 512 head at ~90
@@ -181,6 +189,49 @@ at::Tensor argmax(const at::Tensor& logits, int64_t threads, int64_t variant) {
   return out;
 }
 
+void draw(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& temperature,
+          const at::Tensor& u, const at::Tensor& ids, int64_t threads, int64_t variant) {
+  const PanelKernels& kern = triptych::pick(kTables, variant, "draw");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous() && logits.size(1) > 0,
+              "draw: logits must be a contiguous [S, V>0] float32 tensor");
+  const int64_t S = logits.size(0), V = logits.size(1), R = rows.numel();
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
+                  temperature.numel() == R && u.scalar_type() == at::kDouble &&
+                  u.is_contiguous() && u.numel() == R,
+              "draw: rows int64 [R], temperature float32 [R], u float64 [R]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == S,
+              "draw: ids must be a contiguous int64 [S] tensor");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < S, "draw: row ", rp[j], " out of range");
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = ids.data_ptr<int64_t>();
+  at::parallel_for(0, R, group_grain(R, threads), [&](int64_t b, int64_t e) {
+    std::vector<float> w(V);
+    std::vector<double> cdf(V);
+    for (int64_t j = b; j < e; ++j) {
+      const float* x = lp + rp[j] * V;
+      float top = -INFINITY;
+      int bad = 0;  // a NaN or +inf: no distribution
+#pragma omp simd reduction(max : top) reduction(| : bad)
+      for (int64_t i = 0; i < V; ++i) {
+        top = std::max(top, x[i]);
+        bad |= static_cast<int>(x[i] != x[i]) | static_cast<int>(x[i] == INFINITY);
+      }
+      if (bad || top == -INFINITY) continue;
+      kern.row_weights(x, V, top, 1.0f / tp[j], w.data());  // (a masked token: 0)
+      double total = 0.0;
+      for (int64_t i = 0; i < V; ++i) cdf[i] = total += w[i];
+      const int64_t at = std::upper_bound(cdf.begin(), cdf.end(), up[j] * total) - cdf.begin();
+      op[rp[j]] = std::min(at, V - 1);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triptych_panel, m) {
@@ -188,6 +239,8 @@ TORCH_LIBRARY(triptych_panel, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("gemm(Tensor x, Tensor panels, int n, Tensor? bias, int threads, int variant) -> Tensor");
   m.def("argmax(Tensor logits, int threads, int variant) -> Tensor");
+  m.def("draw(Tensor logits, Tensor rows, Tensor temperature, Tensor u, Tensor(a!) ids, "
+        "int threads, int variant) -> ()");
   m.def("gemm_argmax(Tensor x, Tensor panels, int n, Tensor? bias, int threads, int variant) "
         "-> Tensor");
 }
@@ -196,5 +249,6 @@ TORCH_LIBRARY_IMPL(triptych_panel, CPU, m) {
   m.impl("pack", &pack);
   m.impl("gemm", &gemm);
   m.impl("argmax", &argmax);
+  m.impl("draw", &draw);
   m.impl("gemm_argmax", &gemm_argmax);
 }
