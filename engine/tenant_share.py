@@ -51,6 +51,10 @@ MAX_STRETCH = 8  # while its steps cost the others little, it sits out less: dow
 # step in EXPLORE_EVERY x this (a GPU, where one more sequence costs a step almost nothing)
 SHRINK, GROW = 0.8, 1.05  # the cap's steps down (over the bound) and up (under it)
 CTX_PER_TOKEN = 1024  # context tokens attended that weigh as much as one token computed
+ROW_TOKENS = 4  # what a sequence's row in a step weighs beyond its tokens, in tokens: its
+# attention call, sampling and output (and a row rejoining the batch is rewritten). On the
+# 2-core CPU a decode row beside others cost ~18 us, a prompt token ~4 us; without it a
+# chat's 7-token prompt let the busiest tenant run 7 decodes in that step (+0.45 ms)
 TURN_STEPS = 8  # steps a held tenant's sequence runs before the next takes its turn
 LINGER_S = 0.05  # the busiest stays held this long after the others' last request ended
 
@@ -85,8 +89,9 @@ def attended(ctx: int, n: int) -> int:
 
 
 def size(ctx: int, n: int) -> float:
-    """What ``n`` new tokens after ``ctx`` computed ones weigh in a step (the caps' unit)."""
-    return n + attended(ctx, n) / CTX_PER_TOKEN
+    """What ``n`` new tokens after ``ctx`` computed ones weigh in a step (the caps' unit):
+    the tokens, the sequence's row (ROW_TOKENS) and the context they attend."""
+    return n + ROW_TOKENS + attended(ctx, n) / CTX_PER_TOKEN
 
 
 class StepShares:
@@ -253,8 +258,10 @@ class TenantShares:
             self._kind = ""
         if self._last is not None and now - self._last[0] < IDLE_S:
             gap, kind = now - self._last[0], self._last[1]
-            if kind == "alone":
-                self.alone_s = _ewma(self.alone_s, gap, 0.3)
+            if kind == "alone":  # (down at once, up as an average: a first measure taken
+                # in a step that set a request up, ~2x a decode, held the bound loose ~30 steps)
+                self.alone_s = gap if self.alone_s is None or gap < self.alone_s else \
+                    _ewma(self.alone_s, gap, 0.3)
                 roomy = self.with_s is not None and \
                     self.with_s < (1 + self.share / 2) * self.alone_s
                 self.stretch = min(MAX_STRETCH, self.stretch * 2) if roomy else 1
@@ -287,7 +294,7 @@ def survey(running: list[Request], tokens_to_compute: Callable[[Request], int] |
                 continue
             s = size(c, n)
         else:  # a decode without a token in flight: one token (inlined: per sequence)
-            s = 1 + (c + 1) / CTX_PER_TOKEN
+            s = 1 + ROW_TOKENS + (c + 1) / CTX_PER_TOKEN
         out[t] = out.get(t, 0.0) + s
     return out, groups
 

@@ -46,13 +46,14 @@ def step(s: Scheduler) -> dict[str, int]:
 
 
 def test_the_busiest_tenant_takes_turns_and_the_other_runs_every_step():
-    s = make(cap=1.5)  # two of alice's short decodes a step (each ~1.01: the second starts
-    for i in range(4):  # under the cap)
+    s = make(cap=6.0)  # two of alice's short decodes a step (each ~5.01, a token and its
+    for i in range(4):  # row: the second starts under the cap)
         s.add_request(req(f"a{i}", "alice"))
     step(s)  # (alice alone: all four prefill, no shares)
     s.add_request(req("b", "bob"))
-    got = step(s)  # bob's prompt (4.01) is held against alice's four decodes (4.02):
-    assert len(got) == 5 and got["b"] == 4  # she is held to his ask: all four start under it
+    got = step(s)  # bob's prompt (4 tokens and a row: 8.01) is held against alice's four
+    assert len(got) == 3 and got["b"] == 4  # decodes (20.02): she is held to his ask, two
+    # of hers start under it (a decode's row weighs more than a prompt token)
     served: dict[str, list[int]] = {f"a{i}": [] for i in range(4)}
     for k in range(4 * tenant_share.TURN_STEPS):
         got = step(s)
@@ -109,8 +110,9 @@ def test_a_tenant_alone_or_tenants_asking_alike_keep_whole_steps():
         assert len(step(s)) == 4  # alone: no cap
     for i in range(4):
         s.add_request(req(f"b{i}", "bob"))
-    got = step(s)  # bob's prompts (16 tokens) are held to alice's ask (four decodes):
-    assert sum(n for r, n in got.items() if r.startswith("b")) == 4  # and cut to fit
+    got = step(s)  # bob's prompts (16 tokens, four rows: 32) are held to alice's ask (four
+    # decodes: 20.02): two start whole, the next two find no room for a token and a row
+    assert sum(n for r, n in got.items() if r.startswith("b")) == 8
     for _ in range(3):
         step(s)
     for _ in range(3):
@@ -130,13 +132,13 @@ def test_shares_off_and_one_anonymous_tenant_change_nothing():
 
 
 def test_a_prompt_over_the_cap_is_cut_and_others_waiting_behind_it_go_first():
-    s = make(cap=10.0)
+    s = make(cap=14.0)
     s.add_request(req("b0", "bob"))
     step(s)
     s.add_request(req("a0", "alice", n=40))
     got = step(s)
-    assert got["b0"] == 1 and got["a0"] == 9  # 9 + 45/1024 <= 10 < 10 + 55/1024
-    assert size(0, 9) <= 10 < size(0, 10)
+    assert got["b0"] == 1 and got["a0"] == 9  # 9 + 4 + 45/1024 <= 14 < 10 + 4 + 55/1024
+    assert size(0, 9) <= 14 < size(0, 10)
     # alice has her cap's worth running: her next prompt waits, bob's behind it goes in
     s.add_request(req("a1", "alice", n=40))
     s.add_request(req("b1", "bob"))
@@ -200,7 +202,7 @@ def test_the_cap_follows_the_measured_bound():
 def test_the_held_tenant_stays_held_a_moment_after_the_others_leave():
     """LINGER_S: bob's next request, sent as his last one ends, finds a step of alice's
     cap in flight, not one of all her sequences; after LINGER_S she has whole steps."""
-    s = make(cap=1.5)
+    s = make(cap=6.0)  # (two of her decodes)
     for i in range(4):
         s.add_request(req(f"a{i}", "alice"))
     step(s)
