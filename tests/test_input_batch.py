@@ -135,3 +135,31 @@ def test_decodes_come_first_with_their_rows():
     before = rows(b)
     b.decodes_first(steady)
     assert rows(b) == before  # nothing to move in a pure decode step
+
+
+def test_a_steps_sampling_arrays_follow_its_rows_requests():
+    """The sampling arrays of a step whose rows hold the previous step's requests are the
+    previous step's (nothing recomputed); another request in a row, another order, or a
+    request with penalties makes them afresh."""
+    from triptych.engine.sample.sampling_params import SamplingParams as SP
+
+    b = InputBatch(BS, max_reqs=4)
+    a, c = req("a", 3), req("c", 3)
+    a.sampling_params, c.sampling_params = SP(temperature=0), SP(temperature=0.7)
+    for r in (a, c):
+        b.add(r, [0])
+    both = np.array([0, 1])
+    first = b.sampling(both, 50)
+    assert b.sampling(both, 50) is first and first.random_rows_list == [1]
+    assert b.sampling(np.array([1, 0]), 50).random_rows_list == [0]  # another order
+    b.remove("c")
+    d = req("d", 3)
+    d.sampling_params = SP(temperature=0.9, top_k=3)  # another request in that row
+    b.add(d, [1])
+    got = b.sampling(both, 50)
+    assert got is not first and "top_k" in got.names and got.top_k_max == 3
+    e = req("e", 3)
+    e.sampling_params = SP(temperature=1.0, repetition_penalty=1.3)
+    b.add(e, [2])
+    three = np.array([0, 1, 2])
+    assert b.sampling(three, 50) is not b.sampling(three, 50)  # penalties: every step

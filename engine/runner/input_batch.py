@@ -96,6 +96,7 @@ class InputBatch:
         # running requests that sit a step out (tenant shares, the token budget): their row
         # is freed, their matcher and penalty counts kept, so rejoining replays nothing
         self.resting: dict[str, tuple[Request, int]] = {}  # id -> (request, its ids known)
+        self._sampling_memo: tuple[list[Request], SamplingArrays] | None = None  # (sampling)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -331,11 +332,19 @@ class InputBatch:
         return rows, flat
 
     def sampling(self, rows: np.ndarray, vocab: int) -> SamplingArrays:
-        """The host arrays that sample ``rows`` (in that order) this step."""
+        """The host arrays that sample ``rows`` (in that order) this step: the previous
+        step's when its rows held the same requests in the same order and no request has
+        penalties (whose counts change every step); a decode batch's rows mostly do."""
         reqs = [self.reqs[r] for r in rows.tolist()]
-        return sampling_arrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+        memo = self._sampling_memo
+        if memo is not None and not self.penalties and len(memo[0]) == len(reqs) and \
+                all(a is b for a, b in zip(memo[0], reqs)):
+            return memo[1]
+        host = sampling_arrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
                                self.min_p[rows], [r.sampling_params for r in reqs], vocab,
                                self.penalties, [r.request_id for r in reqs])
+        self._sampling_memo = None if self.penalties else (reqs, host)
+        return host
 
     def advance(self, num_scheduled: np.ndarray) -> None:
         """After a step: the scheduled tokens' KV is in the cache."""
