@@ -5,15 +5,15 @@ Continuous batching runs everyone's sequences in the same step, so a tenant with
 long sequences makes every other tenant's token take as long as its whole batch does (a
 16-token chat beside ``n=16, max_tokens=1500`` read x3.8 on a 2-core CPU). When requests
 of two or more tenants (``SamplingParams.tenant``: the API key's on a server with keys;
-none offline) have work, the busiest tenant (the most work asked, by ``size``: tokens
-plus the context they attend) is held to a cap:
+none offline) have work, the busiest tenant (the most work asked, by ``size``: tokens,
+a row per sequence and the context they attend) is held to a cap:
 
     step time with it  <=  (1 + share) x  step time without it
 
 measured, not modelled: one step in EXPLORE_EVERY runs without the busiest tenant (the
 others' step alone), the rest with it under the cap; the cap shrinks while the steps
 with it run over the bound and grows back while they run under it. A tenant held to
-its cap has its sequences take turns (a few steps each, ``took_turn``) and its prompt
+its cap has its sequences take turns (TURN_STEPS steps each, ``took_turn``) and its prompt
 chunks cut to fit; it runs at least one sequence a step but in those it sits out, so
 nobody stalls. No tenant is held below what the busiest other tenant asks, so tenants
 that ask alike share steps as before; a tenant alone keeps the whole step. The busiest
@@ -36,8 +36,8 @@ seat for a whole generation while another's one-line chat waits.
 from __future__ import annotations
 
 import random
-from bisect import bisect_left
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
@@ -230,8 +230,8 @@ class TenantShares:
         return StepShares({self._held: self.cap})
 
     def plan(self, asks: dict[str, float]) -> StepShares | None:
-        """``asks``: tenant -> the size of what it would run now (``demands``). None when
-        nobody is crowded out (one tenant, or shares off)."""
+        """``asks``: tenant -> the size of what it would run now (``survey`` and
+        ``add_waiting``). None when nobody is crowded out (one tenant, or shares off)."""
         self._kind = ""
         if self.share <= 0 or len(asks) < 2:
             return None
