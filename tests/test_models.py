@@ -198,8 +198,10 @@ def full_prompt_case(name: str):
         pv, grid = images((140, 112), (56, 84))
         layout = [3, ("image", grid[0].tolist()), 2, ("image", grid[1].tolist()), 4]
         return layout, {"image": (pv, grid)}, {"pixel_values": pv, "image_grid_thw": grid}
-    # video with t > 1, then an image; Qwen2.5 spaces frames by tokens_per_second * 0.5
-    vpv, vgrid = video(3, 4, 6)
+    # video with t > 1, then an image; Qwen2.5 spaces frames by tokens_per_second * 0.5.
+    # "long_video": more frames (5) than its merged rows and columns (2 x 2): the text after
+    # it starts max(h, w) on, not t (transformers 5.24's rule, the one the engine follows)
+    vpv, vgrid = video(5, 4, 4) if name == "long_video" else video(3, 4, 6)
     pv, grid = images((56, 56))
     layout = [4, ("video", vgrid[0].tolist(), 0.5), 2, ("image", grid[0].tolist()), 3]
     mm = {"pixel_values_videos": vpv, "video_grid_thw": vgrid, "pixel_values": pv,
@@ -207,7 +209,7 @@ def full_prompt_case(name: str):
     return layout, {"video": (vpv, vgrid), "image": (pv, grid)}, mm
 
 
-@pytest.mark.parametrize("case", ["text", "one_image", "two_images", "video"])
+@pytest.mark.parametrize("case", ["text", "one_image", "two_images", "video", "long_video"])
 def test_prompt_logits_match_hf(pair, case):
     hf, ours, _ = pair
     layout, pixels, mm = full_prompt_case(case)
