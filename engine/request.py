@@ -79,10 +79,9 @@ class Request:       # queues compare identities (field by field: ~1 us per requ
     prompt_logprobs_sent: bool = False
     hand_off_after_prefill: bool = False  # prefill worker: stop after the first token, keep KV
     num_resumed_tokens: int = 0  # output tokens it arrived with (KV import, migration): not re-emitted
-    last_scheduled_step: int = 0  # the scheduler's step that last ran it (tenant shares:
-    # a tenant's sequences take turns, the least recently served first)
-    turn_steps: int = 0  # steps run in its current turn (tenant shares, turns_taken)
-    turn_rank: int = 0  # its place in its tenant's turn order (lowest first)
+    turn_steps: int = 0  # steps run in its current turn (tenant shares: took_turn)
+    turn_rank: int = 0  # its place in its tenant's turn order (lowest first; the step its
+    # last turn ended, or ON_TURN while one lasts)
 
     def __post_init__(self) -> None:
         if isinstance(self.mrope_positions, torch.Tensor):

@@ -182,7 +182,6 @@ class Scheduler:
         turns = self.shares.share > 0  # (each tenant's turn order: tenant_share.took_turn,
         # ~0.15 us a sequence, kept while shares are on: they may start any step)
         for req, n in scheduled:  # (vLLM's _update_after_schedule)
-            req.last_scheduled_step = self.num_steps
             req.num_computed_tokens += n
             if turns:
                 took_turn(req, self.num_steps)
