@@ -147,27 +147,40 @@ def make_inputs(samples: list[tuple[Any, str, list[list[list[int]]]]], batcher: 
     return samples, batch, teacher.targets(samples)
 
 
+def local_items(args: argparse.Namespace, batcher: Batcher, teacher: Any,
+                rng: random.Random, model: Any = None) -> Any:
+    """Every step's (samples, inputs, glyph targets), drawn from ``rng`` in step order."""
+    total = min(args.steps, args.max_steps or args.steps)
+    group = max(1, getattr(args, "bucket", 1))
+    for start in range(0, total, group):
+        for samples in step_samples(start, min(start + group, total), args, rng):
+            yield make_inputs(samples, batcher, teacher, rng, model,
+                              getattr(args, "procs", 1), getattr(args, "rank", 0))
+
+
 def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
              rng: random.Random, model: Any = None) -> Any:
     """The batches, made ahead on a thread of this process (rendering and the image
     processor mostly run outside the GIL, beside the forward and backward). One thread
     draws every sample from ``rng`` in step order, so the data are those of a loop without
     it. With ``--procs`` above 1 every rank draws the whole step and keeps its share
-    (``args.rank``): the ranks' samples are one process's."""
+    (``args.rank``): the ranks' samples are one process's. With ``--data-procs`` N the
+    thread reads the batches that N processes make (demo/data_procs.py; another draw)."""
     import queue
     import threading
 
+    from triptych.demo import data_procs
+
     q: queue.Queue = queue.Queue(maxsize=2)
     done = threading.Event()
-    total = min(args.steps, args.max_steps or args.steps)
-    group = max(1, getattr(args, "bucket", 1))
     pin = getattr(args, "device", "cpu") != "cpu"
+    source = (data_procs.items(args) if getattr(args, "data_procs", 0)
+              else local_items(args, batcher, teacher, rng, model))
+    failed: list[BaseException] = []
 
     def produce() -> None:
-        for start in range(0, total, group):
-            for samples in step_samples(start, min(start + group, total), args, rng):
-                item = make_inputs(samples, batcher, teacher, rng, model,
-                                   getattr(args, "procs", 1), getattr(args, "rank", 0))
+        try:
+            for item in source:
                 if pin:  # page-locked here, so the step's copy to the GPU does not wait
                     item = (item[0], {k: v.pin_memory() for k, v in item[1].items()},
                             item[2].pin_memory())
@@ -179,10 +192,23 @@ def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
                         continue
                 if done.is_set():
                     return
+        except BaseException as e:  # the training loop raises it instead of waiting
+            failed.append(e)
+        finally:
+            source.close()
 
     threading.Thread(target=produce, name="batches", daemon=True).start()
     try:
+        waited = 0
         while True:
-            yield q.get(timeout=600)
+            try:
+                yield q.get(timeout=1.0)
+                waited = 0
+            except queue.Empty:
+                if failed:
+                    raise failed[0]
+                waited += 1
+                if waited >= 600:
+                    raise TimeoutError("no batch for 600 s: the producer is stuck")
     finally:
         done.set()

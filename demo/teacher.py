@@ -29,17 +29,19 @@ class TokenTargets:
     def _keep(self, module: Any, inputs: Any, output: Any) -> None:
         self.captured = output.pooler_output
 
-    def targets(self, samples: list[tuple[Any, str, list[list[list[int]]]]]) -> Any:
+    @classmethod
+    def targets(cls, samples: list[tuple[Any, str, list[list[list[int]]]]]) -> Any:
         """One row of slots per merged token, in the tower's order (rows, then columns);
-        -100 where a token shows more than ``SLOTS`` characters."""
+        -100 where a token shows more than ``SLOTS`` characters. Needs no head: a data
+        process (demo/data_procs.py) calls it on the class."""
         import torch
 
-        rows = []
+        none, rows = len(render.CHARSET), []
         for _, _, grid in samples:
             for row in grid:
                 for chars in row:
-                    rows.append(chars + [self.none] * (self.SLOTS - len(chars))
-                                if len(chars) <= self.SLOTS else [-100] * self.SLOTS)
+                    rows.append(chars + [none] * (cls.SLOTS - len(chars))
+                                if len(chars) <= cls.SLOTS else [-100] * cls.SLOTS)
         return torch.tensor(rows)
 
     def loss(self, targets: Any) -> tuple[Any, float]:

@@ -226,7 +226,7 @@ def run_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
             setattr(ns, k, v)
         ns.init, ns.threads, ns.eval_every = init, args.threads, args.eval_every
         ns.seed += args.seed  # --seed N: another draw of the recipe (0: the shipped one)
-        ns.procs, ns.device = args.procs, args.device
+        ns.procs, ns.device, ns.data_procs = args.procs, args.device, args.data_procs
         print(f"recipe phase {i}/{len(RECIPE)}: {phase}", flush=True)
         result = train(ns)
         init = ns.out
@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--threads threads and its share of one process's samples (it must "
                         "divide --batch / 8; demo/ddp.py). 2 x 1 thread on a 2-core box: the "
                         "recipe in 0.89x the time of 1 x 2 threads, another draw")
+    p.add_argument("--data-procs", type=int, default=0,
+                   help="processes that draw the batches (demo/data_procs.py), for a GPU, "
+                        "whose step is far shorter than one core's drawing of it; 0 draws on "
+                        "one thread of this process (the shipped recipe's stream). Any N "
+                        "above 0 gives the same batches (another draw than 0's)")
     p.add_argument("--rank", type=int, default=0,
                    help="this process's rank (set by rank 0 for the processes it starts)")
     p.add_argument("--dist-port", type=int, default=0,
@@ -312,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    "page CER")
     p.add_argument("--recipe", action="store_true",
                    help="run the shipped recipe (RECIPE: every phase, one after the other; "
-                        "only --out, --threads, --procs, --device, --eval-every, --seed and "
+                        "only --out, --threads, --procs, --data-procs, --device, --eval-every, "
+                        "--seed and "
                         "--from-phase / --init apply; "
                         "--seed N adds N to every phase's seed: another draw)")
     p.add_argument("--from-phase", type=int, default=1,
@@ -327,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.procs > 1 and args.device != "cpu":
         p.error("--procs above 1 trains over gloo on the CPU: use --device cpu, or one "
                 "process on the GPU")
+    if args.data_procs < 0 or args.data_procs and args.procs > 1:
+        p.error("--data-procs must be 0 or more, and draws for one training process "
+                "(--procs 1)")
     args.device = device(args.device)  # auto resolved: training.json says which it was
     if args.recipe and not 1 <= args.from_phase <= len(RECIPE) \
             or args.recipe and (args.from_phase > 1) != bool(args.init):
