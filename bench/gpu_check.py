@@ -21,6 +21,7 @@ Then DIR/summary.json and DIR/summary.md, a table for docs/performance.md.
 | ocr     | 64 requests x one 448 px image x 128 tokens, against HF generate (batch 16) on the device |
 | ttft    | time to first token of one 448 px image chat, against HF generate |
 | attn    | attention kernels' speed at the served shapes: decode % of copy bandwidth (bench/kernels.py) |
+| train   | the demo model's training on the device: s/step with one drawing thread and with --data-procs (bench/gpu_train.py) |
 | cudatests | the repo's GPU tests (those that skip without CUDA) under pytest (bench/cuda_tests.py) |
 """
 from __future__ import annotations
@@ -47,8 +48,8 @@ STEPS: dict[str, tuple[str, int]] = {
     "syncs": ("gpu_speed", 30), "ocr": ("gpu_speed", 60), "floor": ("gpu_speed", 20),
     "attn": ("gpu_steps", 30), "kernels": ("gpu_steps", 40), "parity": ("gpu_steps", 45),
     "engines": ("gpu_steps", 20), "pools": ("gpu_steps", 45),
-    "cudatests": ("cuda_tests", 40)}
-DEFAULT_BUDGET = 440  # seconds: the run, installs and copies stay under the device tool's
+    "train": ("gpu_train", 35), "cudatests": ("cuda_tests", 40)}
+DEFAULT_BUDGET = 475  # seconds: the run, installs and copies stay under the device tool's
 # 10 minutes a command, with room in a 15-minute lease to rerun the steps that failed
 MIN_STEP_S = 15  # a step is skipped when less than this is left of the budget
 

@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
             continue
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"step {step} loss {avg:.4f} char-acc {acc:.3f} token-acc {tacc:.3f} "
-                  f"lr {lr:.2e} {time.monotonic() - start:.0f}s", flush=True)
+                  f"lr {lr:.2e} {time.monotonic() - start:.1f}s", flush=True)
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
             print(f"step {step} held-out CER {evaluate(model, batcher, 30):.3f} (30 lines), "

@@ -19,7 +19,7 @@ import pytest
 from triptych.bench import cuda_tests
 from triptych.bench.gpu_check import DEFAULT_BUDGET, MIN_STEP_S, STEPS, step_limit
 
-CHEAP = ["kernels", "model", "floor", "syncs", "decode"]
+CHEAP = ["kernels", "model", "floor", "syncs", "decode", "train"]
 
 
 def run_check(out, *args: str) -> subprocess.CompletedProcess:
@@ -51,6 +51,10 @@ def test_the_cheap_steps_run_end_to_end(tmp_path):
     assert start["graph_sizes"] == [1, 4]
     syncs = json.loads((tmp_path / "syncs.json").read_text())
     assert syncs["dtoh_copies_per_step"] == 0  # the CPU copies nothing to a host
+    train = json.loads((tmp_path / "train.json").read_text())  # the demo's training, timed
+    assert [r["data_procs"] for r in train["rows"]] == [0, 2]
+    assert all(r["s_per_step"] > 0 and r["steps_timed"] > 0 for r in train["rows"])
+    assert train["recipe_steps"] == 28500 and train["recipe_minutes"] > 0
     table = (tmp_path / "summary.md").read_text()
     assert all(f"| {name} | ok |" in table for name in CHEAP), table
 
