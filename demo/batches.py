@@ -158,24 +158,20 @@ def local_items(args: argparse.Namespace, batcher: Batcher, teacher: Any,
                               getattr(args, "procs", 1), getattr(args, "rank", 0))
 
 
-def prefetch(args: argparse.Namespace, batcher: Batcher, teacher: Any,
-             rng: random.Random, model: Any = None) -> Any:
-    """The batches, made ahead on a thread of this process (rendering and the image
+def prefetch(args: argparse.Namespace, source: Any) -> Any:
+    """The batches of ``source`` (``local_items``, or demo/data_procs.py ``items`` with
+    ``--data-procs``), made ahead on a thread of this process (rendering and the image
     processor mostly run outside the GIL, beside the forward and backward). One thread
-    draws every sample from ``rng`` in step order, so the data are those of a loop without
-    it. With ``--procs`` above 1 every rank draws the whole step and keeps its share
-    (``args.rank``): the ranks' samples are one process's. With ``--data-procs`` N the
-    thread reads the batches that N processes make (demo/data_procs.py; another draw)."""
+    draws every sample in step order, so the data are those of a loop without it. With
+    ``--procs`` above 1 every rank draws the whole step and keeps its share (``args.rank``):
+    the ranks' samples are one process's. With ``--data-procs`` N the thread reads the
+    batches that N processes make (another draw)."""
     import queue
     import threading
-
-    from triptych.demo import data_procs
 
     q: queue.Queue = queue.Queue(maxsize=2)
     done = threading.Event()
     pin = getattr(args, "device", "cpu") != "cpu"
-    source = (data_procs.items(args) if getattr(args, "data_procs", 0)
-              else local_items(args, batcher, teacher, rng, model))
     failed: list[BaseException] = []
 
     def produce() -> None:

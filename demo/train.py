@@ -16,8 +16,8 @@ import random
 import time
 from typing import Any
 
-from triptych.demo import ddp, template
-from triptych.demo.batches import PHRASES, Batcher, prefetch
+from triptych.demo import data_procs, ddp, template
+from triptych.demo.batches import PHRASES, Batcher, local_items, prefetch
 from triptych.demo.evaluate import evaluate, evaluate_strips
 from triptych.demo.heldout import DEV_SEED
 from triptych.demo.teacher import TokenTargets, char_accuracy
@@ -123,7 +123,8 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
         ddp.same_start(params)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, avg, acc, tacc = time.monotonic(), None, None, None
-    batches = prefetch(args, batcher, teacher, rng, model)
+    batches = prefetch(args, data_procs.items(args) if getattr(args, "data_procs", 0)
+                       else local_items(args, batcher, teacher, rng, model))
     for step in range(min(args.steps, args.max_steps or args.steps)):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
