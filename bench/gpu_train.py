@@ -75,11 +75,11 @@ def step_train(ctx: Any) -> None:
                      "steps_timed": timed})
         ctx.save(rows=rows)
     speedup = rows[0]["s_per_step"] / max(rows[1]["s_per_step"], 1e-9)
-    best = min(r["s_per_step"] for r in rows)
-    minutes = recipe_steps() * best / 60
-    ctx.save(ok=True, rows=rows, speedup=round(speedup, 2), recipe_steps=recipe_steps(),
+    total = recipe_steps()
+    minutes = total * min(r["s_per_step"] for r in rows) / 60
+    ctx.save(ok=True, rows=rows, speedup=round(speedup, 2), recipe_steps=total,
              recipe_minutes=round(minutes, 1),
              summary=f"{rows[1]['s_per_step'] * 1000:.0f} ms a step with {procs} data "
                      f"processes, {speedup:.1f}x one drawing thread "
                      f"({rows[0]['s_per_step'] * 1000:.0f} ms): the recipe's "
-                     f"{recipe_steps():,} steps in ~{minutes:.0f} min on {ctx.device}")
+                     f"{total:,} steps in ~{minutes:.0f} min on {ctx.device}")

@@ -147,11 +147,17 @@ def make_inputs(samples: list[tuple[Any, str, list[list[list[int]]]]], batcher: 
     return samples, batch, teacher.targets(samples)
 
 
+def step_groups(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(steps the run draws, steps in a group drawn together (``--bucket``), groups)."""
+    total = min(args.steps, args.max_steps or args.steps)
+    size = max(1, getattr(args, "bucket", 1))
+    return total, size, -(-total // size)
+
+
 def local_items(args: argparse.Namespace, batcher: Batcher, teacher: Any,
                 rng: random.Random, model: Any = None) -> Any:
     """Every step's (samples, inputs, glyph targets), drawn from ``rng`` in step order."""
-    total = min(args.steps, args.max_steps or args.steps)
-    group = max(1, getattr(args, "bucket", 1))
+    total, group, _ = step_groups(args)
     for start in range(0, total, group):
         for samples in step_samples(start, min(start + group, total), args, rng):
             yield make_inputs(samples, batcher, teacher, rng, model,

@@ -34,20 +34,13 @@ def group_rng(seed: int, group: int) -> random.Random:
     return random.Random(f"triptych-demo-data:{seed}:{group}")
 
 
-def groups(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(steps to draw, steps in a group, groups)."""
-    total = min(args.steps, args.max_steps or args.steps)
-    size = max(1, getattr(args, "bucket", 1))
-    return total, size, -(-total // size)
-
-
 def group_items(g: int, args: argparse.Namespace, batcher: Any, model: Any
                 ) -> Iterator[tuple[dict[str, Any], Any]]:
     """(model inputs, glyph targets) of each step of group ``g``."""
-    from triptych.demo.batches import make_inputs, step_samples
+    from triptych.demo.batches import make_inputs, step_groups, step_samples
     from triptych.demo.teacher import TokenTargets
 
-    total, size, _ = groups(args)
+    total, size, _ = step_groups(args)
     rng = group_rng(args.seed, g)
     for samples in step_samples(g * size, min((g + 1) * size, total), args, rng):
         _, batch, targets = make_inputs(samples, batcher, TokenTargets, rng, model)
@@ -77,8 +70,10 @@ def items(args: argparse.Namespace) -> Iterator[tuple[None, dict[str, Any], Any]
                                spec, "--index", str(i), "--count", str(n)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
              for i in range(n)]
+    from triptych.demo.batches import step_groups
+
     try:
-        total, size, count = groups(args)
+        total, size, count = step_groups(args)
         for g in range(count):
             for _ in range(min(size, total - g * size)):
                 head = _read(procs, g % n, 8)
@@ -126,21 +121,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from transformers import Qwen2VLForConditionalGeneration
-    from triptych.demo.batches import Batcher
+    from triptych.demo.batches import Batcher, step_groups
 
     torch.set_num_threads(1)
     batcher = Batcher(args.out)
     # Only for its get_rope_index (the prompts' positions): the weights are not used.
     model = Qwen2VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32)
     try:
-        for g in range(a.index, groups(args)[2], a.count):
+        for g in range(a.index, step_groups(args)[2], a.count):
             for batch, targets in group_items(g, args, batcher, model):
                 data = encode(batch, targets)
                 frames.write(struct.pack("<Q", len(data)))
                 frames.write(data)
                 frames.flush()
     except BrokenPipeError:  # the training ended first
-        return 0
+        pass
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from triptych.demo import data_procs, ddp, template
-from triptych.demo.batches import PHRASES, Batcher, local_items, prefetch
+from triptych.demo.batches import PHRASES, Batcher, local_items, prefetch, step_groups
 from triptych.demo.evaluate import evaluate, evaluate_strips
 from triptych.demo.heldout import DEV_SEED
 from triptych.demo.teacher import TokenTargets, char_accuracy
@@ -125,7 +125,7 @@ def _train(args: argparse.Namespace, lead: bool, peers: list[Any]) -> dict[str, 
     start, avg, acc, tacc = time.monotonic(), None, None, None
     batches = prefetch(args, data_procs.items(args) if getattr(args, "data_procs", 0)
                        else local_items(args, batcher, teacher, rng, model))
-    for step in range(min(args.steps, args.max_steps or args.steps)):
+    for step in range(step_groups(args)[0]):
         frac = step / args.steps
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.5 + 0.5 * math.cos(math.pi * frac))
         for g in opt.param_groups:
