@@ -339,7 +339,7 @@ class EngineCore:
         """Gauges and counters, named as the Prometheus metrics (without the prefix)."""
         return {
             "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.prefilled),
             "kv_cache_usage_perc": self.kv.usage,
             "num_preemptions_total": self.scheduler.num_preemptions_total,
             "prompt_tokens_total": self.prompt_tokens_total,

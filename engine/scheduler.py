@@ -77,6 +77,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
+        self.prefilled: deque[Request] = deque()  # KV imported (their blocks held), waiting
+        # for a seat: max_num_seqs bounds the batch however a request arrived
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._warned_preemption = False
@@ -93,7 +95,9 @@ class Scheduler:
 
     def add_prefilled_request(self, request: Request, block_ids: list[int]) -> None:
         """Admit a request whose KV (all but its last token) already sits in ``block_ids``
-        (KV import: the prefill side computed the prompt and sampled the last token)."""
+        (KV import: the prefill side computed the prompt and sampled the last token). It
+        runs at once when a seat (``max_num_seqs``) is free, else at the first schedule
+        that has one, before any waiting prompt (its blocks are held meanwhile)."""
         assert request.num_computed_tokens == request.num_tokens - 1
         blocks = [self.kv.pool.blocks[i] for i in block_ids]
         assert all(b.ref_cnt > 0 for b in blocks), "imported blocks must be allocated first"
@@ -101,7 +105,10 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.tenants[tenant_of(request)] += 1
-        self.running.append(request)
+        if len(self.running) < self.max_num_seqs and not self.prefilled:
+            self.running.append(request)
+        else:
+            self.prefilled.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and free its blocks (abort, stop string, error); a hand-off
@@ -113,6 +120,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
         if status == RequestStatus.FINISHED_HANDED_OFF:
             self.kv.take_blocks(request)
         else:
@@ -125,10 +134,12 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.prefilled)
 
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        while self.prefilled and len(self.running) < self.max_num_seqs:
+            self.running.append(self.prefilled.popleft())  # seats freed since they came
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
