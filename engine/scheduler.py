@@ -105,10 +105,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.tenants[tenant_of(request)] += 1
-        if len(self.running) < self.max_num_seqs and not self.prefilled:
-            self.running.append(request)
-        else:
-            self.prefilled.append(request)
+        self.prefilled.append(request)
+        self._seat_prefilled()
+
+    def _seat_prefilled(self) -> None:
+        """KV imports take the free seats (``max_num_seqs``), in the order they came."""
+        while self.prefilled and len(self.running) < self.max_num_seqs:
+            self.running.append(self.prefilled.popleft())
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and free its blocks (abort, stop string, error); a hand-off
@@ -138,8 +141,7 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        while self.prefilled and len(self.running) < self.max_num_seqs:
-            self.running.append(self.prefilled.popleft())  # seats freed since they came
+        self._seat_prefilled()  # seats freed since they came
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []

@@ -139,16 +139,21 @@ def test_prefilled_request_enters_running():
     assert out.block_ids["x"][:2] == [3, 5]  # the runner's block table comes with the step
 
 
+def imported(s: Scheduler, r: Request, blocks: list[int]) -> None:
+    """``r`` admitted as a KV import: its prompt's KV in ``blocks``, its first token
+    sampled by the prefill side."""
+    r.num_computed_tokens = r.num_tokens
+    r.output_token_ids.append(11)
+    s.kv.pool.touch([s.kv.pool.blocks[i] for i in blocks])
+    s.add_prefilled_request(r, blocks)
+
+
 def test_prefilled_requests_wait_for_a_seat():
     """KV imports beyond max_num_seqs wait (their blocks held) and take the first seats
     freed, before waiting prompts: the batch never holds more than max_num_seqs."""
     s = make(num_blocks=16, seqs=2, budget=32)
     for k, rid in enumerate("xyz"):
-        r = req(rid, 4, max_tokens=2 + k)
-        r.num_computed_tokens = 4
-        r.output_token_ids.append(11)
-        s.kv.pool.touch([s.kv.pool.blocks[k]])
-        s.add_prefilled_request(r, [k])
+        imported(s, req(rid, 4, max_tokens=2 + k), [k])
     s.add_request(req("w", 3, first=50))
     assert s.num_unfinished == 4 and [r.request_id for r in s.prefilled] == ["z"]
     got, _ = run_step(s)
@@ -166,11 +171,7 @@ def test_prefilled_requests_wait_for_a_seat():
 def test_an_aborted_prefilled_request_leaves_the_seat_queue():
     s = make(num_blocks=8, seqs=1)
     for k, rid in enumerate("ab"):
-        r = req(rid, 4)
-        r.num_computed_tokens = 4
-        r.output_token_ids.append(11)
-        s.kv.pool.touch([s.kv.pool.blocks[k]])
-        s.add_prefilled_request(r, [k])
+        imported(s, req(rid, 4), [k])
     s.finish(s.requests["b"], RequestStatus.FINISHED_ABORTED)
     assert not s.prefilled and s.num_unfinished == 1 and s.kv.pool.num_free_blocks == 7
 
