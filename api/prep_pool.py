@@ -9,7 +9,8 @@ The processes start at the first image or video the server gets (all of them at 
 with the server: a server that serves only text never pays their ~3 s of CPU and ~300 MB
 each (torch and the model's processor); the first media item waits for one to come up.
 One job per process at a time. While it runs, its process is watched: past the job's
-deadline (``--max-image-decode-seconds``; a video's decode limit plus that) or above
+deadline (``--max-image-decode-seconds`` of its CPU time; a video's decode limit plus that;
+ten times that in wall time when it gets almost no CPU) or above
 ``--mm-processor-memory`` of resident memory it is killed, what it had written is removed,
 a new process takes its place, and that job alone fails with a 400 naming the flag. The
 queue serves tenants in turn, so one tenant's images cannot hold back another's. The
@@ -47,6 +48,8 @@ logger = logging.getLogger("triptych.api")
 START_TIMEOUT_S = 120.0  # a process's start (imports torch and transformers)
 _POLL_S = 0.05  # how often a running job's process is looked at
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICK = os.sysconf("SC_CLK_TCK")
+STALL_FACTOR = 10  # a job that has had little CPU is still stopped after this x its deadline
 
 
 class Prepared:
@@ -62,6 +65,16 @@ class Prepared:
 
     def release(self) -> None:
         self._finalizer()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # (the name may hold spaces)
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _rss(pid: int) -> int:
@@ -200,7 +213,11 @@ class PrepPool:
         what = "image" if job.kind == "image" else "video"
         deadline_s = self.deadline_s + (float(job.limits.get("max_video_decode_s", 0))
                                         if job.kind == "video" else 0.0)
-        deadline = time.monotonic() + deadline_s
+        # NOTE: the deadline counts the process's CPU time, not the wall clock: it runs at a
+        # lower priority than serving, so on a busy host an innocent photo can wait many
+        # seconds for the CPU (a 12 MP one needs ~0.5 s of it); a job that gets little CPU
+        # for STALL_FACTOR x the deadline (a stuck decoder) is stopped all the same
+        cpu0, stall = _cpu_s(p.pid), time.monotonic() + STALL_FACTOR * deadline_s
         try:
             write_frame(p.stdin, job)
         except OSError:
@@ -210,10 +227,10 @@ class PrepPool:
                 self._stopped(proc, f"preparing the {what} took more than "
                                     f"{self.memory_bytes >> 20} MiB of memory "
                                     f"(--mm-processor-memory); send a smaller {what}")
-            if time.monotonic() > deadline:
+            if _cpu_s(p.pid) - cpu0 > deadline_s or time.monotonic() > stall:
                 self._stopped(proc, f"preparing the {what} took longer than {deadline_s:g} "
-                                    f"s (--max-image-decode-seconds); send a smaller or "
-                                    f"simpler {what}")
+                                    f"s of CPU (--max-image-decode-seconds); send a smaller "
+                                    f"or simpler {what}")
             if select.select([p.stdout], [], [], _POLL_S)[0]:
                 break
         try:

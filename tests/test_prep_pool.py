@@ -71,6 +71,31 @@ def test_a_job_past_its_deadline_is_killed_alone_and_leaves_nothing(pool):
     assert pool.pids and pool.pids != before and prepared is not None  # replaced
 
 
+def test_the_deadline_counts_cpu_time_not_waiting_and_a_stuck_process_still_goes(
+        tiny_qwen2_vl):
+    """A preparation process held off the CPU (SIGSTOP: as a busy host holds one that runs
+    at a lower priority) for 4x its deadline still prepares its image; one that never runs
+    again is stopped at STALL_FACTOR x the deadline."""
+    from triptych.api.prep_pool import STALL_FACTOR
+
+    p = PrepPool(tiny_qwen2_vl, 1, deadline_s=0.5)
+    try:
+        p.run(Job("image", "w" * 64, jpeg(5), MediaLimits().caps()))[1].release()  # warm
+        pid = p.pids[0]
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
+        _, prepared = p.run(Job("image", "x" * 64, jpeg(6), MediaLimits().caps()))
+        assert prepared is not None and p.num_killed == 0 and p.pids == [pid]
+        prepared.release()
+        assert STALL_FACTOR * 0.5 > 2.0
+        os.kill(pid, signal.SIGSTOP)  # and never again
+        with pytest.raises(MediaError, match="--max-image-decode-seconds"):
+            p.run(Job("image", "y" * 64, jpeg(7), MediaLimits().caps()))
+        assert p.num_killed == 1 and not alive(pid) and not segments_of(pid)
+    finally:
+        p.close()
+
+
 def test_a_job_over_the_memory_cap_is_killed(tiny_qwen2_vl):
     small = PrepPool(tiny_qwen2_vl, 1, deadline_s=60.0, memory_bytes=64 << 20)
     try:  # (the process alone, torch imported, is above 64 MiB: the first job trips it)

@@ -45,9 +45,11 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
                         "in P0's threads (no decode deadline); -1 (default): 1 on a CPU "
                         "engine, else the cores less one, at most 8")
     m.add_argument("--max-image-decode-seconds", type=float, default=10.0,
-                   help="wall time a preparation process may take for one image (decode + "
-                        "processor); past it the process is killed and replaced and the "
-                        "request gets a 400 (videos: --max-video-decode-seconds plus this)")
+                   help="CPU time a preparation process may take for one image (decode + "
+                        "processor; time spent waiting for a busy CPU does not count, up to "
+                        "ten times this in wall time); past it the process is killed and "
+                        "replaced and the request gets a 400 (videos: "
+                        "--max-video-decode-seconds plus this)")
     m.add_argument("--mm-processor-memory", type=float, default=4.0,
                    help="GiB of resident memory a preparation process may reach while "
                         "preparing one item; above it the process is killed and replaced "
