@@ -152,8 +152,15 @@ def test_a_killed_server_leaves_no_process_and_its_segments_go_at_the_next_start
             "n": 16, "max_tokens": 400, "ignore_eos": True}
     try:
         assert not httpx.get(s.base + "/health", timeout=5).json()["preparation"]["pids"]
-        t = threading.Thread(target=lambda: httpx.post(
-            s.base + "/v1/chat/completions", json=body, timeout=120), daemon=True)
+        cut: list[BaseException] = []  # the kill cuts this request off
+
+        def send() -> None:
+            try:
+                httpx.post(s.base + "/v1/chat/completions", json=body, timeout=120)
+            except httpx.HTTPError as e:
+                cut.append(e)
+
+        t = threading.Thread(target=send, daemon=True)
         t.start()
         wait_for(lambda: segments_of(s.proc.pid), "the image's pixels in shared memory")
         prep = httpx.get(s.base + "/health", timeout=5).json()["preparation"]["pids"]
@@ -163,6 +170,8 @@ def test_a_killed_server_leaves_no_process_and_its_segments_go_at_the_next_start
                  timeout=30)
         left = segments_of(s.proc.pid)
         assert left  # the dead server's
+        t.join(timeout=30)
+        assert cut  # (its answer never came)
     finally:
         s.stop(signal.SIGKILL)
         s.cleanup_descendants()
